@@ -1,0 +1,94 @@
+"""The configuration schema: frozen dataclasses, the only thing workers ever see.
+
+Hydra composes YAML from `conf/` on top of these (see `compose.py`); field names are part of
+the public interface (`topology.dp=4`, `train.lr=1e-3`, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+"""Pipeline schedules, by config name. `interleaved_zb` and `zbv` are zero-bubble schedules."""
+
+DTYPES = ("float32", "bfloat16")
+DATA_KINDS = ("synthetic", "text", "tokens")
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    """Virtual pipeline stages per rank (interleaved schedules; `zbv` needs 2)."""
+    dp_shard: bool = False
+    """False: replicated data parallelism; true: FSDP2 sharding of parameters over dp."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "gpt_tiny"
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 64
+    vocab_size: int = 256
+    ffn_mult: int = 4
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "synthetic"
+    seq_len: int = 64
+    # synthetic: a random sparse Markov chain over model.vocab_size tokens
+    branching: int = 4
+    """Successors per token in the synthetic Markov chain (its loss floor falls with this)."""
+    # text: local text files read as bytes; tokens: a memory-mapped file of token ids
+    path: str = ""
+    """text: a file, a directory of *.txt files or a glob; tokens: a .bin/.npy file of token ids."""
+    token_dtype: str = "uint16"
+    """tokens: dtype of a raw .bin file (a .npy file carries its own)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 150
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    decay: str = "cosine"
+    """LR decay after warmup: cosine, linear or constant."""
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    dtype: str = "float32"
+    activation_checkpointing: bool = False
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    address: str = ""
+    """Ray address to join; empty: RAY_ADDRESS, else start a local Ray on 127.0.0.1."""
+    use_gpu: str = "auto"
+    """auto: one GPU per rank when the cluster has GPUs; true: require them; false: CPU (gloo)."""
+    placement_timeout_s: float = 120.0
+    num_cpus: int = 0
+    """Logical CPUs for a local Ray; 0: enough for the ranks."""
+    cpus_per_rank: float = 1.0
+    torch_threads: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    seed: int = 0
+    run_dir: str = ""
+    """Where outputs go; set from Hydra's run dir (hydra.run.dir=...)."""

@@ -1,0 +1,132 @@
+"""A GPT-style decoder whose pipeline stages keep the full model's parameter names.
+
+`GPT(cfg, layer_ids=..., first=..., last=...)` builds one pipeline stage: the layers it owns sit
+in a ModuleDict keyed by their global index, so a stage's `state_dict()` names
+(`layers.5.attn.wq.weight`) are the same as in the whole model (DESIGN invariant 5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayhybrid.config.schema import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.head_dim = d // cfg.n_heads
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, d, bias=False)
+        self.wv = nn.Linear(d, d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = cfg.ffn_mult * cfg.d_model
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.checkpoint_activations = False
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    """The whole decoder (defaults) or one pipeline stage of it."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        max_seq_len: int,
+        layer_ids: Iterable[int] | None = None,
+        first: bool = True,
+        last: bool = True,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model) if first else None
+        self.pos_embeddings = nn.Embedding(max_seq_len, cfg.d_model) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in ids})
+        self.norm = nn.LayerNorm(cfg.d_model) if last else None
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_embeddings(x) + self.pos_embeddings(pos)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.output is not None:
+            x = self.output(self.norm(x))
+        return x
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from a generator seeded by (seed, its full name).
+
+        The values do not depend on which stage holds a parameter, so every topology starts
+        from the same model. Residual output projections get the GPT-2 1/sqrt(2L) scaling.
+        """
+        std = 0.02
+        for name, param in self.named_parameters():
+            gen = torch.Generator().manual_seed(_name_seed(seed, name))
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * scale
+                param.copy_(values.to(param.device, param.dtype))
+
+
+def _name_seed(seed: int, name: str) -> int:
+    # A stable (process-independent) hash: Python's hash() of str is salted per process.
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def num_params(cfg: ModelConfig, max_seq_len: int) -> int:
+    """Parameter count of the whole model, computed without building it."""
+    d, h = cfg.d_model, cfg.ffn_mult * cfg.d_model
+    per_layer = 4 * d * d + 2 * d * h + 4 * d
+    return cfg.vocab_size * d + max_seq_len * d + cfg.n_layers * per_layer + 2 * d + d * cfg.vocab_size

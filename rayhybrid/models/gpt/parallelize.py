@@ -1,0 +1,63 @@
+"""Apply tensor parallelism, activation checkpointing and data parallelism to a GPT stage.
+
+Order as in torchtitan: TP first (DTensor plans), then activation checkpointing, then data
+parallelism over the dp mesh. Pipeline splitting happens before and calls this per stage.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from rayhybrid.models.gpt.model import GPT
+from rayhybrid.parallel.data_parallel import apply_data_parallel
+
+
+def tp_plan(model: GPT, *, loss_parallel: bool) -> dict[str, object]:
+    """Megatron-style split: q/k/v and the first MLP layer column-wise (heads and hidden units
+    per rank), the attention and MLP output projections row-wise (one all-reduce each), the
+    token embedding vocab-parallel, and the output projection vocab-parallel. With
+    `loss_parallel` the logits stay sharded over the vocabulary into the loss."""
+    plan: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+    for name in model.layers:
+        plan[f"layers.{name}.attn.wq"] = ColwiseParallel()
+        plan[f"layers.{name}.attn.wk"] = ColwiseParallel()
+        plan[f"layers.{name}.attn.wv"] = ColwiseParallel()
+        plan[f"layers.{name}.attn.wo"] = RowwiseParallel()
+        plan[f"layers.{name}.mlp.w1"] = ColwiseParallel()
+        plan[f"layers.{name}.mlp.w2"] = RowwiseParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
+        )
+    return plan
+
+
+def parallelize_gpt(
+    model: GPT,
+    *,
+    tp_mesh: DeviceMesh | None,
+    dp_mesh: DeviceMesh | None,
+    dp_shard: bool,
+    activation_checkpointing: bool,
+    loss_parallel: bool,
+    reshard_after_forward: bool = True,
+) -> GPT:
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        parallelize_module(model, tp_mesh, tp_plan(model, loss_parallel=loss_parallel))
+    if activation_checkpointing:
+        for block in model.layers.values():
+            block.checkpoint_activations = True
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        apply_data_parallel(
+            model,
+            dp_mesh,
+            shard=dp_shard,
+            blocks=list(model.layers.values()),
+            reshard_after_forward=reshard_after_forward,
+        )
+    return model

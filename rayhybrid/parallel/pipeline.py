@@ -1,0 +1,57 @@
+"""Pipeline stages and schedules from torch.distributed.pipelining."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+SINGLE_STAGE = {"gpipe", "1f1b"}
+V_SHAPED = {"zbv"}
+
+
+def stage_style(schedule: str) -> str:
+    """How stages are assigned to ranks: `v` for V-shaped schedules, else `loop`."""
+    return "v" if schedule in V_SHAPED else "loop"
+
+
+def build_schedule(
+    schedule: str,
+    stages: list[tuple[int, nn.Module]],
+    *,
+    num_stages: int,
+    device: torch.device,
+    group: torch.distributed.ProcessGroup,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
+    """Wrap each (stage index, module) in a PipelineStage and build the named schedule.
+
+    Gradients are not rescaled by the schedule (`scale_grads=False`): the loss function is
+    already normalised by the replica's token count, so micro-batch gradients add up to the
+    gradient of the replica's mean loss.
+    """
+    pipeline_stages = [
+        PipelineStage(module, index, num_stages, device, group=group) for index, module in stages
+    ]
+    cls = SCHEDULE_CLASSES[schedule]
+    if schedule in SINGLE_STAGE:
+        (stage,) = pipeline_stages
+        return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

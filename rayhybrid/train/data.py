@@ -1,0 +1,150 @@
+"""One deterministic sample stream addressed by global sample index (DESIGN invariant 4).
+
+Sample `i` is a function of (data config, seed, i) alone, so step k reads global samples
+``[k*G, (k+1)*G)`` and dp rank r reads its contiguous share, whatever dp is. Resume, restart
+and resize need only `consumed_samples`.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rayhybrid.config.schema import DataConfig
+
+
+def _rng(seed: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed, index])
+
+
+class SampleStream:
+    """Base class: `batch(start, count)` returns (inputs, targets), each [count, seq_len] int64."""
+
+    seq_len: int
+    loss_floor: float | None = None
+    """The best achievable mean cross-entropy (nats/token) when known, else None."""
+
+    def sample(self, index: int) -> np.ndarray:  # seq_len + 1 token ids
+        raise NotImplementedError
+
+    def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.stack([self.sample(start + i) for i in range(count)]).astype(np.int64)
+        data = torch.from_numpy(rows)
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+class MarkovStream(SampleStream):
+    """Token sequences from a random sparse Markov chain: each token has `branching`
+    successors with Dirichlet-drawn probabilities. Sequences start from the stationary
+    distribution, so the optimal loss is the chain's entropy rate at every position."""
+
+    def __init__(self, vocab_size: int, seq_len: int, branching: int, seed: int) -> None:
+        rng = np.random.default_rng([seed, 0x5EED])
+        self.seq_len = seq_len
+        self.seed = seed
+        k = min(branching, vocab_size)
+        self.successors = np.stack([rng.choice(vocab_size, size=k, replace=False) for _ in range(vocab_size)])
+        probs = rng.dirichlet(np.ones(k), size=vocab_size)
+        self.cdf = np.cumsum(probs, axis=1)
+        self.cdf[:, -1] = 1.0
+        transition = np.zeros((vocab_size, vocab_size))
+        np.put_along_axis(transition, self.successors, probs, axis=1)
+        self.stationary = _stationary(transition)
+        self.stationary_cdf = np.cumsum(self.stationary)
+        self.stationary_cdf[-1] = 1.0
+        entropy = -(probs * np.log(np.clip(probs, 1e-300, None))).sum(axis=1)
+        self.loss_floor = float(self.stationary @ entropy)
+
+    def sample(self, index: int) -> np.ndarray:
+        u = _rng(self.seed, index).random(self.seq_len + 1)
+        out = np.empty(self.seq_len + 1, dtype=np.int64)
+        state = int(np.searchsorted(self.stationary_cdf, u[0], side="right"))
+        out[0] = state
+        for t in range(1, self.seq_len + 1):
+            state = int(self.successors[state, np.searchsorted(self.cdf[state], u[t], side="right")])
+            out[t] = state
+        return out
+
+
+def _stationary(transition: np.ndarray, iters: int = 2000) -> np.ndarray:
+    """Stationary distribution by power iteration, started from uniform (lazy chain for
+    periodic components)."""
+    n = transition.shape[0]
+    lazy = 0.5 * (transition + np.eye(n))
+    pi = np.full(n, 1.0 / n)
+    for _ in range(iters):
+        nxt = pi @ lazy
+        if np.abs(nxt - pi).sum() < 1e-13:
+            break
+        pi = nxt
+    return pi / pi.sum()
+
+
+class WindowStream(SampleStream):
+    """Random windows of seq_len+1 tokens from one long token array (text bytes or token ids).
+    Window start of sample i is drawn from a generator seeded by (seed, i)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str) -> None:
+        if len(tokens) < seq_len + 2:
+            raise ValueError(
+                f"data.path={source!r} holds {len(tokens)} tokens, fewer than data.seq_len + 2 = "
+                f"{seq_len + 2}; give more data or lower data.seq_len"
+            )
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+
+    def sample(self, index: int) -> np.ndarray:
+        start = int(_rng(self.seed, index).integers(0, len(self.tokens) - self.seq_len - 1))
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+
+def text_files(path: str) -> list[str]:
+    """`data.path` as a list of files: a file, a directory (its *.txt, recursively) or a glob."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
+    elif any(ch in path for ch in "*?["):
+        files = sorted(glob.glob(path, recursive=True))
+    else:
+        files = [path] if os.path.isfile(path) else []
+    return files
+
+
+def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
+    if cfg.name == "synthetic":
+        return MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
+    if cfg.name == "text":
+        files = text_files(cfg.path)
+        if not files:
+            raise ValueError(f"data.path={cfg.path!r} matches no text file; point it at a file, a directory of *.txt or a glob")
+        blob = b"\n".join(open(f, "rb").read() for f in files)
+        return WindowStream(np.frombuffer(blob, dtype=np.uint8), cfg.seq_len, seed, cfg.path)
+    if cfg.name == "tokens":
+        if cfg.path.endswith(".npy"):
+            tokens = np.load(cfg.path, mmap_mode="r")
+        else:
+            tokens = np.memmap(cfg.path, dtype=np.dtype(cfg.token_dtype), mode="r")
+        return WindowStream(tokens, cfg.seq_len, seed, cfg.path)
+    raise ValueError(f"data.name={cfg.name!r} is unknown; use synthetic, text or tokens")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which global samples one dp rank reads at one step."""
+
+    start: int
+    count: int
+
+
+def replica_shard(consumed_samples: int, global_batch_size: int, dp: int, dp_rank: int) -> Shard:
+    """Samples dp rank `dp_rank` reads in the step that starts at `consumed_samples`."""
+    per_replica = global_batch_size // dp
+    return Shard(start=consumed_samples + dp_rank * per_replica, count=per_replica)
+
+
+def uniform_loss(vocab_size: int) -> float:
+    return math.log(vocab_size)

@@ -1,0 +1,183 @@
+"""The training step, readable top to bottom: one `Trainer` per rank (no Ray here).
+
+    trainer = Trainer(cfg, rank=rank, device=device)   # after init_process_group
+    for _ in range(cfg.train.steps):
+        metrics = trainer.train_step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from rayhybrid.config.schema import Config
+from rayhybrid.models.gpt.model import GPT
+from rayhybrid.models.gpt.parallelize import parallelize_gpt
+from rayhybrid.parallel.grad import clip_grad_norm_
+from rayhybrid.parallel.mesh import build_mesh
+from rayhybrid.parallel.pipeline import build_schedule, stage_style
+from rayhybrid.topology import Topology, num_microbatches, split_layers, stage_ids
+from rayhybrid.train.data import build_stream, replica_shard
+from rayhybrid.train.optim import build_optimizer, lr_at, set_lr
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, rank: int, device: torch.device) -> None:
+        self.cfg = cfg
+        t = cfg.topology
+        self.topo = Topology(t.dp, t.pp, t.tp)
+        self.coord = self.topo.coord(rank)
+        self.device = device
+        self.mesh = build_mesh(t.dp, t.pp, t.tp, device)
+        self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
+        self.n_microbatches = num_microbatches(cfg.train.global_batch_size, t.dp, cfg.train.micro_batch_size)
+        self.replica_tokens = cfg.train.global_batch_size // t.dp * cfg.data.seq_len
+        self.loss_parallel = t.tp > 1
+
+        # Pipeline stages this rank owns, each keeping the full model's parameter names.
+        virtual = t.stages_per_rank if t.pp > 1 else 1
+        self.num_stages = t.pp * virtual
+        ranges = split_layers(cfg.model.n_layers, self.num_stages)
+        owned = stage_ids(self.coord.pp, t.pp, virtual, stage_style(t.schedule)) if t.pp > 1 else [0]
+        self.stages = [(i, self._build_stage(i, ranges[i])) for i in owned]
+        self.has_first = any(i == 0 for i, _ in self.stages)
+        self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
+        self.params = [p for _, m in self.stages for p in m.parameters()]
+        self.optimizer = build_optimizer(self.params, cfg.train)
+        self.schedule = None
+        if t.pp > 1:
+            self.schedule = build_schedule(
+                t.schedule,
+                self.stages,
+                num_stages=self.num_stages,
+                device=device,
+                group=self.mesh["pp"].get_group(),
+                n_microbatches=self.n_microbatches,
+                loss_fn=self.loss_fn,
+            )
+        self.step = 0
+        self.consumed_samples = 0
+
+    def _build_stage(self, index: int, layers: range) -> GPT:
+        cfg = self.cfg
+        with torch.device("meta"):
+            stage = GPT(
+                cfg.model,
+                max_seq_len=cfg.data.seq_len,
+                layer_ids=layers,
+                first=index == 0,
+                last=index == self.num_stages - 1,
+            )
+        stage.to_empty(device=self.device)
+        stage.init_weights(cfg.seed)
+        return parallelize_gpt(
+            stage,
+            tp_mesh=self.mesh["tp"],
+            dp_mesh=self.mesh["dp"],
+            dp_shard=cfg.topology.dp_shard,
+            activation_checkpointing=cfg.train.activation_checkpointing,
+            loss_parallel=self.loss_parallel,
+            reshard_after_forward=cfg.topology.pp == 1,
+        )
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy over the replica's token count: micro-batch losses add
+        up to the replica's mean loss, and averaging over dp gives the global batch's mean."""
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return loss / self.replica_tokens
+
+    def _step_context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.loss_parallel:
+            stack.enter_context(loss_parallel())
+        if self.cfg.train.dtype == "bfloat16":
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        return stack
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the global batch; returns metrics (same on every rank)."""
+        cfg, t = self.cfg, self.cfg.topology
+        start = time.perf_counter()
+        lr = lr_at(self.step, cfg.train)
+        set_lr(self.optimizer, lr)
+
+        # This replica's share of the global batch: samples [start, start + G/dp).
+        shard = replica_shard(self.consumed_samples, cfg.train.global_batch_size, t.dp, self.coord.dp)
+        inputs, targets = None, None
+        if self.has_first or self.has_last:
+            inputs, targets = self.stream.batch(shard.start, shard.count)
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._step_context():
+            if self.schedule is None:
+                loss = self._forward_backward(inputs, targets)
+            else:
+                loss = self._forward_backward_pipeline(inputs, targets)
+        grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
+        self.optimizer.step()
+
+        loss = self._global_loss(loss)
+        self.step += 1
+        self.consumed_samples += cfg.train.global_batch_size
+        elapsed = time.perf_counter() - start
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "step_time_s": elapsed,
+            "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / elapsed,
+            "consumed_samples": self.consumed_samples,
+            "num_microbatches": self.n_microbatches,
+            "dp": t.dp,
+            "pp": t.pp,
+            "tp": t.tp,
+        }
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """No pipeline: gradient accumulation over the micro-batches, dp sync on the last."""
+        (_, model), n = self.stages[0], self.n_microbatches
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(i == n - 1)
+            loss = self.loss_fn(model(x), y)
+            loss.backward()
+            total += _local(loss.detach())
+        return total
+
+    def _forward_backward_pipeline(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        if self.has_last:
+            self.schedule.step(*args, target=targets, losses=losses)
+            return torch.stack([_local(x.detach()) for x in losses]).sum()
+        self.schedule.step(*args)
+        return torch.zeros((), device=self.device)
+
+    def _group(self, dim: str) -> dist.ProcessGroup | None:
+        return self.mesh[dim].get_group() if self.mesh[dim].size() > 1 else None
+
+    def _global_loss(self, loss: torch.Tensor) -> float:
+        """The replica's loss lives on its last stage: sum over pp, average over dp."""
+        loss = loss.detach().float().reshape(())
+        if (pp := self._group("pp")) is not None:
+            dist.all_reduce(loss, group=pp)
+        if (dp := self._group("dp")) is not None:
+            dist.all_reduce(loss, group=dp)
+            loss = loss / self.topo.dp
+        return float(loss)
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
