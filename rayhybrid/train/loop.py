@@ -110,19 +110,7 @@ class Trainer:
         lr = lr_at(self.step, cfg.train)
         set_lr(self.optimizer, lr)
 
-        # This replica's share of the global batch: samples [start, start + G/dp).
-        shard = replica_shard(self.consumed_samples, cfg.train.global_batch_size, t.dp, self.coord.dp)
-        inputs, targets = None, None
-        if self.has_first or self.has_last:
-            inputs, targets = self.stream.batch(shard.start, shard.count)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-
-        self.optimizer.zero_grad(set_to_none=True)
-        with self._step_context():
-            if self.schedule is None:
-                loss = self._forward_backward(inputs, targets)
-            else:
-                loss = self._forward_backward_pipeline(inputs, targets)
+        loss = self.forward_backward()
         grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
         self.optimizer.step()
 
@@ -143,6 +131,27 @@ class Trainer:
             "pp": t.pp,
             "tp": t.tp,
         }
+
+    def forward_backward(self) -> torch.Tensor:
+        """Gradients of the global batch's mean loss (no optimizer step); returns this rank's
+        part of the loss (non-zero on last stages only)."""
+        t = self.cfg.topology
+        # This replica's share of the global batch: samples [start, start + G/dp).
+        shard = replica_shard(self.consumed_samples, self.cfg.train.global_batch_size, t.dp, self.coord.dp)
+        inputs, targets = None, None
+        if self.has_first or self.has_last:
+            inputs, targets = self.stream.batch(shard.start, shard.count)
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._step_context():
+            if self.schedule is None:
+                return self._forward_backward(inputs, targets)
+            return self._forward_backward_pipeline(inputs, targets)
+
+    def named_parameters(self):
+        """(full-model name, parameter) for every parameter this rank holds."""
+        for _, module in self.stages:
+            yield from module.named_parameters()
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """No pipeline: gradient accumulation over the micro-batches, dp sync on the last."""
