@@ -6,6 +6,8 @@ the public interface (`topology.dp=4`, `train.lr=1e-3`, ...).
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
@@ -49,6 +51,15 @@ class DataConfig:
     """text: a file, a directory of *.txt files or a glob; tokens: a .bin/.npy file of token ids."""
     token_dtype: str = "uint16"
     """tokens: dtype of a raw .bin file (a .npy file carries its own)."""
+
+    def text_files(self) -> list[str]:
+        """`path` as a list of files: a file, a directory (its *.txt, recursively) or a glob."""
+        path = os.path.expanduser(self.path)
+        if os.path.isdir(path):
+            return sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
+        if any(ch in path for ch in "*?["):
+            return sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        return [path] if os.path.isfile(path) else []
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ and resize need only `consumed_samples`.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 from dataclasses import dataclass
@@ -102,32 +101,20 @@ class WindowStream(SampleStream):
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
 
-def text_files(path: str) -> list[str]:
-    """`data.path` as a list of files: a file, a directory (its *.txt, recursively) or a glob."""
-    path = os.path.expanduser(path)
-    if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
-    elif any(ch in path for ch in "*?["):
-        files = sorted(glob.glob(path, recursive=True))
-    else:
-        files = [path] if os.path.isfile(path) else []
-    return files
-
-
 def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
     if cfg.name == "synthetic":
         return MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
     if cfg.name == "text":
-        files = text_files(cfg.path)
+        files = cfg.text_files()
         if not files:
             raise ValueError(f"data.path={cfg.path!r} matches no text file; point it at a file, a directory of *.txt or a glob")
         blob = b"\n".join(open(f, "rb").read() for f in files)
         return WindowStream(np.frombuffer(blob, dtype=np.uint8), cfg.seq_len, seed, cfg.path)
     if cfg.name == "tokens":
         if cfg.path.endswith(".npy"):
-            tokens = np.load(cfg.path, mmap_mode="r")
+            tokens = np.load(os.path.expanduser(cfg.path), mmap_mode="r")
         else:
-            tokens = np.memmap(cfg.path, dtype=np.dtype(cfg.token_dtype), mode="r")
+            tokens = np.memmap(os.path.expanduser(cfg.path), dtype=np.dtype(cfg.token_dtype), mode="r")
         return WindowStream(tokens, cfg.seq_len, seed, cfg.path)
     raise ValueError(f"data.name={cfg.name!r} is unknown; use synthetic, text or tokens")
 

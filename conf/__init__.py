@@ -1,0 +1,1 @@
+# Hydra YAML for rayhybrid, installed as the package `rayhybrid.conf` (see pyproject.toml).

@@ -1,0 +1,141 @@
+"""Hydra composition: `conf/` YAML over the schema dataclasses -> a validated, frozen `Config`.
+
+This package is the only one that imports Hydra/OmegaConf (DESIGN invariant 7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from rayhybrid.config.schema import Config
+from rayhybrid.errors import ConfigError
+
+CONFIG_NAME = "config"
+OPTIONAL_GROUPS = ("topology",)
+"""Groups that are not in config.yaml's defaults list: `+topology=dp2` appends one;
+`topology=dp2` is accepted too and rewritten to the append form."""
+
+
+def conf_dir() -> str:
+    """Absolute path of the YAML tree: the installed `rayhybrid.conf` package data, else the
+    source checkout's `conf/` next to the `rayhybrid/` package."""
+    spec = importlib.util.find_spec("rayhybrid.conf")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            if os.path.isfile(os.path.join(location, f"{CONFIG_NAME}.yaml")):
+                return os.path.abspath(location)
+    source = Path(__file__).resolve().parents[2] / "conf"
+    if (source / f"{CONFIG_NAME}.yaml").is_file():
+        return str(source)
+    raise FileNotFoundError("rayhybrid's conf/ YAML is missing; reinstall the package (pip install .)")
+
+
+def _unfreeze(node: DictConfig) -> None:
+    """Frozen dataclasses become read-only OmegaConf nodes; Hydra must merge YAML into them."""
+    OmegaConf.set_readonly(node, None)
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _unfreeze(child)
+
+
+@functools.cache
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    node = OmegaConf.structured(Config)
+    _unfreeze(node)
+    ConfigStore.instance().store(name="base_config", node=node)
+
+
+def normalize_overrides(overrides: Sequence[str]) -> list[str]:
+    """`topology=dp2` -> `+topology=dp2` (topology is not in the defaults list)."""
+    out = []
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        out.append("+" + item if key in OPTIONAL_GROUPS and "=" in item else item)
+    return out
+
+
+def available_options(group: str) -> list[str]:
+    root = Path(conf_dir()) / group
+    return sorted(p.stem for p in root.glob("*.yaml"))
+
+
+def composition_error(err: Exception) -> ConfigError:
+    """Hydra's multi-line composition errors as one line naming the setting and the fix."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(err, MissingConfigException):
+        missing = err.missing_cfg_file or ""
+        group, _, name = missing.rpartition("/")
+        if group:
+            options = ", ".join(available_options(group))
+            return ConfigError(group, f"no preset named {name!r}; available: {options}")
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    cause = err.__cause__
+    while cause is not None and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is not None:
+        lines.append(str(cause).splitlines()[0].strip())
+    return ConfigError("overrides", " ".join(dict.fromkeys(lines)))
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Composed OmegaConf node (with or without the `hydra` key) -> frozen `Config`."""
+    cfg = cfg.copy()
+    with_hydra = "hydra" in cfg
+    if with_hydra:
+        OmegaConf.set_struct(cfg, False)
+        cfg.pop("hydra")
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as err:
+        key = err.full_key
+        raise ConfigError(key, f"is required; add {key}=... to the command line") from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(getattr(err, "full_key", "") or "config", str(err).splitlines()[0]) from None
+    assert isinstance(obj, Config)
+    return obj
+
+
+def compose(overrides: Sequence[str] = (), *, return_hydra_config: bool = False) -> DictConfig:
+    """Compose `conf/config.yaml` with command-line style overrides; raises `ConfigError`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_schema()
+    try:
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            return hydra_compose(
+                CONFIG_NAME, overrides=normalize_overrides(overrides), return_hydra_config=return_hydra_config
+            )
+    except HydraException as err:
+        raise composition_error(err) from None
+
+
+def load_config(overrides: Sequence[str] = ()) -> Config:
+    """Compose and validate (static checks only; cluster capacity is checked on connect)."""
+    from rayhybrid.config.validate import validate
+
+    cfg = to_config(compose(overrides))
+    validate(cfg)
+    return cfg
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+    """`replace(cfg, topology={"dp": 2})`: a copy with some fields of some sections changed."""
+    changes = {}
+    for name, fields in sections.items():
+        current = getattr(cfg, name)
+        changes[name] = dataclasses.replace(current, **fields) if isinstance(fields, dict) else fields
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,103 @@
+"""Static validation of a `Config`: every check raises `ConfigError` naming the setting and the fix.
+
+Cluster capacity (more ranks than the cluster can ever place) is checked by the cluster
+package once it can see the cluster.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rayhybrid.config.schema import DATA_KINDS, DTYPES, SCHEDULES, Config
+from rayhybrid.errors import ConfigError
+
+DECAYS = ("cosine", "linear", "constant")
+MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
+
+
+def _positive(cfg: Config) -> None:
+    sections = {
+        "topology": ("dp", "pp", "tp", "stages_per_rank"),
+        "model": ("n_layers", "n_heads", "d_model", "vocab_size", "ffn_mult"),
+        "data": ("seq_len", "branching"),
+        "train": ("steps", "global_batch_size", "micro_batch_size", "log_every"),
+        "cluster": ("cpus_per_rank", "torch_threads", "placement_timeout_s"),
+    }
+    for section, names in sections.items():
+        for name in names:
+            value = getattr(getattr(cfg, section), name)
+            if value <= 0:
+                raise ConfigError(f"{section}.{name}", f"must be positive, got {value}; set {section}.{name}=1 or more")
+    for section, name in (("train", "lr"), ("train", "min_lr"), ("train", "warmup_steps"),
+                          ("train", "weight_decay"), ("train", "grad_clip"), ("cluster", "num_cpus")):
+        value = getattr(getattr(cfg, section), name)
+        if value < 0:
+            raise ConfigError(f"{section}.{name}", f"must not be negative, got {value}")
+
+
+def _choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(setting, f"unknown value {value!r}; choose one of: {', '.join(choices)}")
+
+
+def validate(cfg: Config) -> None:
+    t, m, d, tr = cfg.topology, cfg.model, cfg.data, cfg.train
+    _positive(cfg)
+    _choice("topology.schedule", t.schedule, SCHEDULES)
+    _choice("train.dtype", tr.dtype, DTYPES)
+    _choice("train.decay", tr.decay, DECAYS)
+    _choice("data.name", d.name, DATA_KINDS)
+    _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
+
+    if m.d_model % m.n_heads:
+        raise ConfigError("model.d_model", f"{m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a multiple")
+    if m.n_heads % t.tp:
+        raise ConfigError(
+            "topology.tp", f"tp={t.tp} does not divide model.n_heads={m.n_heads}; use a tp that divides {m.n_heads}"
+        )
+    if m.vocab_size % t.tp:
+        raise ConfigError(
+            "topology.tp", f"tp={t.tp} does not divide model.vocab_size={m.vocab_size} (vocab-parallel embedding); "
+            "pad the vocabulary to a multiple of tp"
+        )
+
+    virtual = t.stages_per_rank if t.pp > 1 else 1
+    if t.pp > 1 and t.schedule in ("gpipe", "1f1b") and t.stages_per_rank != 1:
+        raise ConfigError(
+            "topology.stages_per_rank",
+            f"schedule {t.schedule} runs one stage per rank; set topology.stages_per_rank=1 "
+            f"or topology.schedule=interleaved_1f1b",
+        )
+    if t.pp > 1 and t.schedule == "zbv" and t.stages_per_rank != 2:
+        raise ConfigError("topology.stages_per_rank", "schedule zbv places exactly two stages per rank; set topology.stages_per_rank=2")
+    stages = t.pp * virtual
+    if stages > m.n_layers:
+        raise ConfigError(
+            "topology.pp",
+            f"{t.pp} pipeline ranks x {virtual} stages per rank = {stages} stages but model.n_layers={m.n_layers}; "
+            f"every stage needs a layer: lower topology.pp/topology.stages_per_rank or raise model.n_layers",
+        )
+
+    per_replica, rem = divmod(tr.global_batch_size, t.dp * tr.micro_batch_size)
+    if rem or per_replica == 0:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{tr.global_batch_size} is not divisible by dp x micro_batch_size = {t.dp} x {tr.micro_batch_size}; "
+            f"use a multiple of {t.dp * tr.micro_batch_size}",
+        )
+    if t.pp > 1 and t.schedule == "1f1b" and per_replica < t.pp:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"1f1b needs at least pp={t.pp} micro-batches per replica but has {per_replica}; "
+            f"raise train.global_batch_size to {t.pp * t.dp * tr.micro_batch_size} or lower train.micro_batch_size",
+        )
+
+    if d.name == "text" and m.vocab_size < 256:
+        raise ConfigError("model.vocab_size", f"text data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}")
+    if d.name in ("text", "tokens"):
+        if not d.path:
+            raise ConfigError("data.path", f"data={d.name} needs data.path=<file, directory or glob>")
+        if d.name == "tokens" and not os.path.isfile(os.path.expanduser(d.path)):
+            raise ConfigError("data.path", f"token file {d.path!r} does not exist")
+        if d.name == "text" and not d.text_files():
+            raise ConfigError("data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob")

@@ -1,0 +1,41 @@
+"""Typed, picklable errors whose messages say how to fix the problem.
+
+`ConfigError` means the user asked for something that cannot work; the CLI prints its one-line
+message and exits with code 2. Everything else is a runtime failure (exit code 1).
+"""
+
+from __future__ import annotations
+
+CONFIG_EXIT_CODE = 2
+
+
+class RayHybridError(Exception):
+    """Base class; `str(err)` is a single line meant for the user."""
+
+
+class ConfigError(RayHybridError):
+    """A setting is invalid. `setting` names it (e.g. ``topology.tp``); the message says the fix."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting = setting
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.setting, self.message))
+
+
+class PlacementError(ConfigError):
+    """The cluster cannot place the requested ranks (now or ever)."""
+
+
+class WorkerError(RayHybridError):
+    """A worker failed; carries the rank and the remote error's one-line summary."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank}: {message}")
+        self.rank = rank
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.message))
