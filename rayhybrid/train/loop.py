@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from rayhybrid.config.schema import Config
-from rayhybrid.models.gpt.model import GPT
+from rayhybrid.models.gpt.model import GPT, num_params
 from rayhybrid.models.gpt.parallelize import parallelize_gpt
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
@@ -66,6 +66,20 @@ class Trainer:
             )
         self.step = 0
         self.consumed_samples = 0
+        self.stage_layers = {i: list(ranges[i]) for i in owned}
+
+    def describe(self) -> dict:
+        """What this rank holds, for the driver's start-up table and summary."""
+        return {
+            "coord": [self.coord.dp, self.coord.pp, self.coord.tp],
+            "device": str(self.device),
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "stages": {str(i): layers for i, layers in self.stage_layers.items()},
+            "local_params": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.params),
+            "model_params": num_params(self.cfg.model, self.cfg.data.seq_len),
+            "num_microbatches": self.n_microbatches,
+            "loss_floor": self.stream.loss_floor,
+        }
 
     def _build_stage(self, index: int, layers: range) -> GPT:
         cfg = self.cfg

@@ -1,0 +1,125 @@
+"""A worker group: the replica placement groups and one actor per rank, in rank order."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import ray
+from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rayhybrid.cluster.placement import ReplicaShape, release, reserve_replicas
+from rayhybrid.cluster.worker import TrainWorker, WorkerInfo
+from rayhybrid.config.schema import Config
+from rayhybrid.errors import WorkerError
+from rayhybrid.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+class WorkerGroup:
+    def __init__(self, cfg: Config, shape: ReplicaShape) -> None:
+        self.cfg = cfg
+        self.shape = shape
+        t = cfg.topology
+        self.topology = Topology(t.dp, t.pp, t.tp)
+        self.groups = []
+        self.workers: list = []
+        self.infos: list[WorkerInfo] = []
+        self.descriptions: list[dict] = []
+
+    def start(self) -> None:
+        """Place the replicas, start the actors, join the process group and build the model."""
+        topo, shape = self.topology, self.shape
+        self.groups = reserve_replicas(shape, topo.dp, self.cfg.cluster.placement_timeout_s)
+        actor_cls = ray.remote(TrainWorker)
+        for rank in range(topo.world_size):
+            coord = topo.coord(rank)
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self.groups[coord.dp], placement_group_bundle_index=coord.pp
+            )
+            self.workers.append(
+                actor_cls.options(
+                    num_cpus=shape.cpus_per_rank,
+                    num_gpus=1 if shape.use_gpu else 0,
+                    scheduling_strategy=strategy,
+                    name=None,
+                    max_restarts=0,
+                ).remote(self.cfg, rank, topo.world_size)
+            )
+        self.infos = self._get([w.info.remote() for w in self.workers])
+        gpus_by_node: dict[str, list[str]] = defaultdict(list)
+        for info in self.infos:
+            gpus_by_node[info.node_id].extend(info.gpu_ids)
+        master_port = self._get([self.workers[0].free_port.remote()])[0]
+        master_addr = self.infos[0].ip
+        self.descriptions = self._get(
+            [
+                w.setup.remote(master_addr, master_port, tuple(sorted(set(gpus_by_node[info.node_id]), key=_gpu_key)))
+                for w, info in zip(self.workers, self.infos)
+            ]
+        )
+
+    def train(self, steps: int = 1) -> list[dict]:
+        """Run `steps` optimizer steps on every rank; returns rank 0's metrics per step."""
+        results = self._get([w.train.remote(steps) for w in self.workers])
+        return results[0]
+
+    def placement(self) -> list[dict]:
+        """Rank -> node and bundle, for logs, tests and the plan."""
+        out = []
+        for info in self.infos:
+            coord = self.topology.coord(info.rank)
+            out.append(
+                {
+                    "rank": info.rank,
+                    "dp": coord.dp,
+                    "pp": coord.pp,
+                    "tp": coord.tp,
+                    "node_id": info.node_id,
+                    "ip": info.ip,
+                    "bundle": coord.pp,
+                    "gpu_ids": list(info.gpu_ids),
+                }
+            )
+        return out
+
+    def shutdown(self) -> None:
+        if self.workers:
+            try:
+                ray.get([w.close.remote() for w in self.workers], timeout=30)
+            except (RayError, TimeoutError):  # dead or hung workers: they are killed below
+                pass
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        release(self.groups)
+        self.workers, self.groups = [], []
+
+    def _get(self, refs: list) -> list:
+        """`ray.get` that fails fast, naming the first rank whose call failed."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayTaskError as err:
+                    raise WorkerError(rank_of[ref], _summary(err)) from None
+                except RayActorError as err:
+                    raise WorkerError(rank_of[ref], f"worker died: {_summary(err)}") from None
+        return ray.get(refs)
+
+
+def _gpu_key(gpu: str) -> tuple[int, str]:
+    return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)
+
+
+def _summary(err: Exception) -> str:
+    """The remote error's last line (its type and message), not the whole traceback."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, Exception) and not isinstance(cause, RayError):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(err).__name__
