@@ -27,7 +27,11 @@ def connect(cfg: Config) -> bool:
     t = cfg.topology
     ranks = t.dp * t.pp * t.tp
     num_cpus = cfg.cluster.num_cpus or max(int(ranks * cfg.cluster.cpus_per_rank + 0.999), os.cpu_count() or 1)
+    # Ray warns on every local start that token authentication (its default) is on; keep the
+    # default and the terminal quiet (RAY_AUTH_MODE still chooses).
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     ray.init(
+        address="local",  # always a fresh local Ray, never a stray `ray start` cluster
         num_cpus=num_cpus,
         _node_ip_address="127.0.0.1",
         include_dashboard=False,

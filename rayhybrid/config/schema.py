@@ -37,6 +37,13 @@ class ModelConfig:
     d_model: int = 64
     vocab_size: int = 256
     ffn_mult: int = 4
+    head_dim: int = 0
+    """Per-head width; 0: d_model // n_heads. GPT-3 XL uses 24 heads of 128 on d_model 2048."""
+
+    @property
+    def attn_dim(self) -> int:
+        """Width of the attention projections: n_heads * head_dim."""
+        return self.n_heads * (self.head_dim or self.d_model // self.n_heads)
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,10 @@ def validate(cfg: Config) -> None:
     _choice("data.name", d.name, DATA_KINDS)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
 
-    if m.d_model % m.n_heads:
-        raise ConfigError("model.d_model", f"{m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a multiple")
+    if m.head_dim < 0:
+        raise ConfigError("model.head_dim", f"must not be negative, got {m.head_dim}; 0 means d_model // n_heads")
+    if m.head_dim == 0 and m.d_model % m.n_heads:
+        raise ConfigError("model.d_model", f"{m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a multiple or set model.head_dim")
     if m.n_heads % t.tp:
         raise ConfigError(
             "topology.tp", f"tp={t.tp} does not divide model.n_heads={m.n_heads}; use a tp that divides {m.n_heads}"

@@ -20,12 +20,12 @@ from rayhybrid.config.schema import ModelConfig
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        d = cfg.d_model
-        self.head_dim = d // cfg.n_heads
-        self.wq = nn.Linear(d, d, bias=False)
-        self.wk = nn.Linear(d, d, bias=False)
-        self.wv = nn.Linear(d, d, bias=False)
-        self.wo = nn.Linear(d, d, bias=False)
+        d, inner = cfg.d_model, cfg.attn_dim
+        self.head_dim = inner // cfg.n_heads
+        self.wq = nn.Linear(d, inner, bias=False)
+        self.wk = nn.Linear(d, inner, bias=False)
+        self.wv = nn.Linear(d, inner, bias=False)
+        self.wo = nn.Linear(inner, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -128,5 +128,5 @@ def _name_seed(seed: int, name: str) -> int:
 def num_params(cfg: ModelConfig, max_seq_len: int) -> int:
     """Parameter count of the whole model, computed without building it."""
     d, h = cfg.d_model, cfg.ffn_mult * cfg.d_model
-    per_layer = 4 * d * d + 2 * d * h + 4 * d
+    per_layer = 4 * d * cfg.attn_dim + 2 * d * h + 4 * d
     return cfg.vocab_size * d + max_seq_len * d + cfg.n_layers * per_layer + 2 * d + d * cfg.vocab_size

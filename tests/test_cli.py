@@ -1,0 +1,92 @@
+"""The command line: `python -m rayhybrid ...` end to end, outputs, and exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    # Works from any directory: the installed package, else this checkout.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-m", "rayhybrid", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["topology.tp=3"], ["topology.tp", "n_heads"]),
+        (["+topology=pp4", "model.n_layers=2"], ["topology.pp", "n_layers=2"]),
+        (["+topology=dp2", "train.global_batch_size=10", "train.micro_batch_size=4"], ["train.global_batch_size", "multiple of 8"]),
+        (["topology.dp=0"], ["topology.dp", "positive"]),
+        (["train.micro_batch_size=-1"], ["train.micro_batch_size", "positive"]),
+        (["+topology=pp2", "topology.schedule=zb_magic"], ["topology.schedule", "gpipe"]),
+        (["+topology=dp9"], ["topology", "dp2_pp2_tp2", "dp1_pp1_tp1"]),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, args, words):
+    proc = run_cli([*args, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=60)
+    assert_one_line_error(proc, *words)
+    assert not (tmp_path / "run").exists(), "validation must fail before a run directory is made"
+
+
+def test_more_ranks_than_cluster_can_place(tmp_path):
+    # A local Ray with 4 logical CPUs can never hold 8 ranks of one CPU each.
+    proc = run_cli(["+topology=dp2_pp2_tp2", "cluster.num_cpus=4", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    line = assert_one_line_error(proc, "8 ranks", "8 CPUs", "has 4")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] in line
+
+
+def test_train_dp2_pp2_tp2_from_another_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 12
+    proc = run_cli(["+topology=dp2_pp2_tp2", f"train.steps={steps}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == steps
+
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    for m in metrics:
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "consumed_samples", "dp", "pp", "tp"):
+            assert key in m
+        assert (m["dp"], m["pp"], m["tp"]) == (2, 2, 2)
+        assert m["consumed_samples"] == m["step"] * 16
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    assert summary["final_loss"] == metrics[-1]["loss"]
+    assert summary["topology"]["dp"] == 2 and summary["topology"]["world_size"] == 8
+    assert summary["wall_s"] > 0 and summary["backend"] == "gloo"
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / ".hydra" / "overrides.yaml").is_file()
+
+
+def test_default_trains_one_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train.steps=3", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["topology"]["world_size"] == 1 and summary["steps"] == 3
