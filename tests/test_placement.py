@@ -1,0 +1,78 @@
+"""Placement on a two-node `ray.cluster_utils.Cluster`: every tensor-parallel group on one node,
+each replica's stages packed, and a clear error when the cluster can never hold the job."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import rayhybrid
+from rayhybrid.cluster.placement import ReplicaShape, check_capacity
+from rayhybrid.errors import PlacementError
+
+
+def fake_nodes(*cpus: int, gpus: int = 0) -> list[dict]:
+    return [{"Alive": True, "Resources": {"CPU": float(c), **({"GPU": float(gpus)} if gpus else {})}} for c in cpus]
+
+
+def test_replica_is_pp_bundles_of_tp_devices():
+    shape = ReplicaShape(pp=2, tp=4, use_gpu=True, cpus_per_rank=1)
+    assert shape.bundles() == [{"CPU": 4, "GPU": 4}, {"CPU": 4, "GPU": 4}]
+    assert ReplicaShape(pp=3, tp=2, use_gpu=False, cpus_per_rank=0.5).bundles() == [{"CPU": 1.0}] * 3
+
+
+def test_capacity_counts_whole_tp_groups_per_node():
+    shape = ReplicaShape(pp=2, tp=2, use_gpu=False, cpus_per_rank=1)
+    check_capacity(shape, dp=2, nodes=fake_nodes(4, 4))
+    # 9 CPUs in total, more than 8 ranks, but each 3-CPU node holds one 2-rank group only.
+    with pytest.raises(PlacementError, match=r"8 ranks .* 8 CPUs .* has 9 on 3 node"):
+        check_capacity(shape, dp=2, nodes=fake_nodes(3, 3, 3))
+
+
+def test_capacity_gpu_and_tp_wider_than_a_node():
+    with pytest.raises(PlacementError, match=r"tp=8 needs 8 GPUs on one node but the largest node has 4"):
+        check_capacity(ReplicaShape(pp=1, tp=8, use_gpu=True, cpus_per_rank=1), dp=1, nodes=fake_nodes(64, 64, gpus=4))
+    with pytest.raises(PlacementError, match=r"32 ranks .* 32 GPUs .* has 16 on 2 node"):
+        check_capacity(ReplicaShape(pp=4, tp=4, use_gpu=True, cpus_per_rank=1), dp=2, nodes=fake_nodes(64, 64, gpus=8))
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
+    cluster.add_node(num_cpus=4)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_dp2_pp2_tp2_on_two_nodes(two_nodes, tmp_path):
+    summary = rayhybrid.train(
+        ["+topology=dp2_pp2_tp2", "train.steps=3", f"cluster.address={two_nodes.address}"], run_dir=tmp_path
+    )
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    placement = summary["placement"]
+    assert [p["rank"] for p in placement] == list(range(8))
+    tp_groups, replicas = defaultdict(set), defaultdict(set)
+    for p in placement:
+        assert p["rank"] == (p["dp"] * 2 + p["pp"]) * 2 + p["tp"]  # rank order: tp fastest
+        assert p["bundle"] == p["pp"]
+        tp_groups[p["dp"], p["pp"]].add(p["node_id"])
+        replicas[p["dp"]].add(p["node_id"])
+    assert all(len(nodes) == 1 for nodes in tp_groups.values()), tp_groups
+    # Each 4-CPU node holds exactly one packed replica (both stages), so the replicas differ.
+    assert all(len(nodes) == 1 for nodes in replicas.values()), replicas
+    assert replicas[0] != replicas[1]
+    assert ray.util.placement_group_table() and all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    ), "placement groups must be released at the end of a run"
+
+
+def test_more_ranks_than_the_cluster_has(two_nodes, tmp_path):
+    with pytest.raises(PlacementError) as info:
+        rayhybrid.train(["+topology=dp4_pp2", "topology.tp=2", "train.steps=1"], run_dir=tmp_path)
+    assert "16 ranks" in str(info.value) and "has 8 on 2 node" in str(info.value)
