@@ -1,0 +1,43 @@
+"""Terminal output: a progress bar only on a terminal, one line per logged step."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+from rayhybrid.config.compose import load_config
+from rayhybrid.controller import ProgressBar, RunOutput
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_a_terminal():
+    tty, pipe = FakeTerminal(), io.StringIO()
+    for stream in (tty, pipe):
+        bar = ProgressBar(10, stream=stream)
+        bar.update(5, 2.5, 75)
+        bar.clear()
+    assert pipe.getvalue() == ""
+    assert "[###############...............] 5/10 loss 2.5000 eta 1m15s" in tty.getvalue()
+    assert tty.getvalue().endswith("\r\033[K")
+
+
+def test_one_line_per_logged_step(tmp_path, caplog):
+    import dataclasses
+
+    cfg = load_config(["train.steps=4", "train.log_every=2"])
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path))
+    out = RunOutput(cfg)
+    with caplog.at_level(logging.INFO, logger="rayhybrid"):
+        for step in range(1, 5):
+            out.step({"step": step, "loss": 3.0 / step, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0,
+                      "step_time_s": 0.1, "consumed_samples": 16 * step}, elapsed_s=0.1 * step)
+    out.summary({"status": "completed"})
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
+    assert [line.split("|")[0].strip() for line in logged] == ["step 1/4", "step 2/4", "step 4/4"]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
