@@ -27,6 +27,17 @@ class TopologyConfig:
     """Virtual pipeline stages per rank (interleaved schedules; `zbv` needs 2)."""
     dp_shard: bool = False
     """False: replicated data parallelism; true: FSDP2 sharding of parameters over dp."""
+    loss_parallel: str = "auto"
+    """Keep the logits sharded over the vocabulary into the loss (tp > 1): true, false, or auto
+    (when model.vocab_size >= 8192, where gathering full logits costs more memory and bandwidth
+    than the loss's extra small all-reduces)."""
+
+    def use_loss_parallel(self, vocab_size: int) -> bool:
+        if self.tp == 1:
+            return False
+        if self.loss_parallel == "auto":
+            return vocab_size >= 8192
+        return self.loss_parallel == "true"
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = 150
     global_batch_size: int = 16
-    micro_batch_size: int = 2
+    micro_batch_size: int = 4
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 10

@@ -44,6 +44,7 @@ def validate(cfg: Config) -> None:
     t, m, d, tr = cfg.topology, cfg.model, cfg.data, cfg.train
     _positive(cfg)
     _choice("topology.schedule", t.schedule, SCHEDULES)
+    _choice("topology.loss_parallel", str(t.loss_parallel).lower(), ("auto", "true", "false"))
     _choice("train.dtype", tr.dtype, DTYPES)
     _choice("train.decay", tr.decay, DECAYS)
     _choice("data.name", d.name, DATA_KINDS)

@@ -41,7 +41,7 @@ class Trainer:
         self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
         self.n_microbatches = num_microbatches(cfg.train.global_batch_size, t.dp, cfg.train.micro_batch_size)
         self.replica_tokens = cfg.train.global_batch_size // t.dp * cfg.data.seq_len
-        self.loss_parallel = t.tp > 1
+        self.loss_parallel = t.use_loss_parallel(cfg.model.vocab_size)
 
         # Pipeline stages this rank owns, each keeping the full model's parameter names.
         virtual = t.stages_per_rank if t.pp > 1 else 1

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from rayhybrid.models.gpt.model import GPT
 from rayhybrid.parallel.data_parallel import apply_data_parallel
@@ -23,6 +28,9 @@ def tp_plan(model: GPT, *, loss_parallel: bool) -> dict[str, object]:
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
     for name in model.layers:
+        # The attention input becomes one replicated DTensor shared by q, k and v, so their
+        # input gradients add up locally and cost one all-reduce in backward instead of three.
+        plan[f"layers.{name}.attn"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
         plan[f"layers.{name}.attn.wq"] = ColwiseParallel()
         plan[f"layers.{name}.attn.wk"] = ColwiseParallel()
         plan[f"layers.{name}.attn.wv"] = ColwiseParallel()
