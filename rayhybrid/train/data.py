@@ -89,15 +89,15 @@ class WindowStream(SampleStream):
     Window start of sample i is drawn from a generator seeded by (seed, i)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str) -> None:
-        if len(tokens) < seq_len + 2:
+        if len(tokens) < seq_len + 1:
             raise ValueError(
-                f"data.path={source!r} holds {len(tokens)} tokens, fewer than data.seq_len + 2 = "
-                f"{seq_len + 2}; give more data or lower data.seq_len"
+                f"data.path={source!r} holds {len(tokens)} tokens, fewer than data.seq_len + 1 = "
+                f"{seq_len + 1}; give more data or lower data.seq_len"
             )
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
 
     def sample(self, index: int) -> np.ndarray:
-        start = int(_rng(self.seed, index).integers(0, len(self.tokens) - self.seq_len - 1))
+        start = int(_rng(self.seed, index).integers(0, len(self.tokens) - self.seq_len))  # last start included
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
 

@@ -1,0 +1,223 @@
+"""Run a function on `world` gloo ranks on CPU, each in its own spawned process.
+
+    results = run_ranks(fn, world, *args)   # [fn(0, *args), fn(1, *args), ...]
+
+`fn` must be a picklable top-level function. Every rank initialises the default process group
+with `rayhybrid.parallel.mesh.init_process_group`, calls `fn(rank, *args)` and sends back its
+return value. A rank that raises sends back its traceback; the parent then terminates the
+other ranks (which would otherwise wait in a collective) and raises `RankError` with it. A run
+that outlives `timeout` is terminated the same way, so a broken rank never hangs the test run.
+
+The rank workers the tests use (`train_many`, `grads_many`, ...) live here too, so they pickle by
+reference to this module whatever import mode pytest uses for the test files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 240.0
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or did not finish in time."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank: int, world: int, port: int, args: tuple, out) -> None:
+    import torch.distributed as dist
+
+    from rayhybrid.parallel.mesh import init_process_group
+
+    try:
+        torch.set_num_threads(1)
+        init_process_group(
+            rank=rank,
+            world_size=world,
+            master_addr="127.0.0.1",
+            master_port=port,
+            device=torch.device("cpu"),
+            timeout_s=DEFAULT_TIMEOUT_S,
+        )
+        result = fn(rank, *args)
+        # Plain pickle copies tensor data into the bytes: nothing depends on shared memory
+        # that would vanish with this process.
+        payload = pickle.dumps(result)
+    except BaseException:
+        out.put((rank, False, f"rank {rank} failed:\n{traceback.format_exc()}"))
+        return  # do not wait on peers in destroy_process_group; the parent ends them
+    out.put((rank, True, payload))
+    dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> list:
+    """`[fn(rank, *args) for rank in range(world)]`, each rank in its own process."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    problem = ""
+    deadline = time.monotonic() + timeout
+    quiet_since: float | None = None  # when ranks were first seen dead without a result
+    try:
+        while len(results) < world and not errors and not problem:
+            try:
+                rank, ok, payload = out.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if time.monotonic() > deadline:
+                    problem = f"ranks {sorted(set(range(world)) - set(results))} did not finish within {timeout:.0f} s"
+                elif dead:
+                    # A rank that exited cleanly may have its result still in the pipe.
+                    quiet_since = quiet_since or time.monotonic()
+                    if time.monotonic() - quiet_since > 3:
+                        problem = "ranks exited without a result"
+                continue
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+        if errors or problem:
+            # A failing rank usually makes its peers fail too (connection reset): collect
+            # their reports for a moment, so that the first cause is among them.
+            grace = time.monotonic() + 2
+            while time.monotonic() < grace:
+                try:
+                    rank, ok, payload = out.get(timeout=0.2)
+                except queue_mod.Empty:
+                    continue
+                if not ok:
+                    errors[rank] = payload
+    finally:
+        if errors or problem:
+            _stop(procs)
+        else:
+            for p in procs:
+                p.join(timeout=30)
+            _stop(procs)
+        out.close()
+        out.join_thread()
+    if errors or problem:
+        silent = {r: p.exitcode for r, p in enumerate(procs) if r not in results and r not in errors}
+        head = problem or f"{len(errors)} of {world} ranks failed"
+        lines = [f"{head}; ranks without a report (exit codes): {silent}"]
+        lines += [errors[r] for r in sorted(errors)]
+        raise RankError("\n".join(lines))
+    return [results[r] for r in range(world)]
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+# --------------------------------------------------------------------------------------------
+# Rank workers used by the tests.
+
+
+def world_size(cfg) -> int:
+    t = cfg.topology
+    return t.dp * t.pp * t.tp
+
+
+def run_configs(fn, cfgs: dict, *args, timeout: float = DEFAULT_TIMEOUT_S) -> list[dict]:
+    """Run `fn(rank, cfgs, *args)` on the world size all the labelled configs share; one
+    result per rank."""
+    (world,) = {world_size(cfg) for cfg in cfgs.values()}
+    return run_ranks(fn, world, cfgs, *args, timeout=timeout)
+
+
+def train_many(rank: int, cfgs: dict, steps: int) -> dict[str, list[dict]]:
+    """For each labelled config in turn: a fresh `Trainer`, `steps` calls of `train_step()`;
+    {label: every step's metrics}. All configs need the same world size. Running several
+    configs in one set of processes saves the start-up (spawn, imports, rendezvous), which
+    dominates on a small CPU machine."""
+    from rayhybrid.train.loop import Trainer
+
+    out = {}
+    for label, cfg in cfgs.items():
+        try:
+            tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+            out[label] = [dict(tr.train_step()) for _ in range(steps)]
+        except Exception as exc:
+            raise RuntimeError(f"config {label!r} failed on rank {rank}") from exc
+        del tr
+    return out
+
+
+def grads_many(rank: int, cfgs: dict) -> dict[str, dict]:
+    """For each labelled config: a fresh `Trainer`, one `forward_backward()`; {label: {"names":
+    every parameter name this rank holds, "grads": {name: full gradient}}}."""
+    from torch.distributed.tensor import DTensor
+
+    from rayhybrid.train.loop import Trainer
+
+    out = {}
+    for label, cfg in cfgs.items():
+        try:
+            tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+            tr.forward_backward()
+            names, grads = [], {}
+            # Same parameter order on every rank of a stage, so DTensor collectives line up.
+            for name, p in tr.named_parameters():
+                names.append(name)
+                g = p.grad
+                if g is None:
+                    continue
+                if isinstance(g, DTensor):
+                    g = g.full_tensor()
+                grads[name] = g.detach().clone().float()
+            out[label] = {"names": names, "grads": grads}
+        except Exception as exc:
+            raise RuntimeError(f"config {label!r} failed on rank {rank}") from exc
+        del tr
+    return out
+
+
+def backend_and_sum(rank: int) -> tuple[str, float]:
+    """The default group's backend and an all-reduced sum of rank + 1."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return dist.get_backend(), float(t)
+
+
+def fail_on_rank(rank: int, bad: int, how: str = "raise") -> None:
+    """Rank `bad` fails (raises, or dies without a word) while the others wait in a collective."""
+    import os
+
+    import torch.distributed as dist
+
+    if rank == bad:
+        if how == "exit":
+            os._exit(3)
+        raise ValueError(f"rank {rank} breaks on purpose")
+    dist.all_reduce(torch.ones(1))
+
+
+def replace_topology(cfg, **topology):
+    return dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, **topology))

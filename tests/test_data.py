@@ -1,0 +1,210 @@
+"""The sample stream (DESIGN invariant 4): samples are a function of (data config, seed, index)
+alone, and dp rank r of step k reads its contiguous share of global samples [k*G, (k+1)*G)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rayhybrid.config.schema import DataConfig
+from rayhybrid.train.data import MarkovStream, WindowStream, build_stream, replica_shard, uniform_loss
+
+VOCAB = 256
+
+
+def is_window(row: np.ndarray, tokens: np.ndarray) -> bool:
+    """Whether `row` is a contiguous window of `tokens`."""
+    n = len(row)
+    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(tokens, dtype=np.int64), n)
+    return bool((windows == row).all(axis=1).any())
+
+
+def check_batch(stream, start: int, count: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = stream.batch(start, count)
+    assert inputs.shape == targets.shape == (count, seq_len)
+    assert inputs.dtype == targets.dtype == torch.int64
+    assert int(inputs.min()) >= 0 and int(inputs.max()) < vocab
+    # Targets are the inputs shifted by one token.
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    for i in range(count):
+        row = torch.from_numpy(np.array(stream.sample(start + i), dtype=np.int64))
+        assert torch.equal(torch.cat([inputs[i], targets[i, -1:]]), row)
+    return inputs, targets
+
+
+# ---- synthetic Markov stream ------------------------------------------------------------
+
+
+def test_markov_same_index_same_sample_across_instances():
+    a = MarkovStream(VOCAB, 32, 4, seed=3)
+    b = MarkovStream(VOCAB, 32, 4, seed=3)
+    for index in [0, 1, 7, 1000, 123_456]:
+        assert np.array_equal(a.sample(index), b.sample(index))
+    # Reading order does not matter: a sample depends on its index only.
+    assert np.array_equal(a.sample(5), a.sample(5))
+    xa, ya = a.batch(40, 8)
+    b.batch(0, 3)
+    xb, yb = b.batch(40, 8)
+    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_markov_differs_by_index_and_seed():
+    a = MarkovStream(VOCAB, 32, 4, seed=0)
+    c = MarkovStream(VOCAB, 32, 4, seed=1)
+    assert not np.array_equal(a.sample(0), a.sample(1))
+    assert not np.array_equal(a.sample(0), c.sample(0))
+
+
+def test_markov_batch_shape_and_shift():
+    stream = MarkovStream(VOCAB, 16, 4, seed=0)
+    check_batch(stream, 10, 5, 16, VOCAB)
+
+
+def test_dp_shares_concatenate_to_the_global_batch():
+    stream = MarkovStream(VOCAB, 16, 4, seed=0)
+    whole_x, whole_y = stream.batch(16, 8)
+    for dp in (1, 2, 4, 8):
+        parts = [stream.batch(s.start, s.count) for s in (replica_shard(16, 8, dp, r) for r in range(dp))]
+        assert torch.equal(torch.cat([x for x, _ in parts]), whole_x)
+        assert torch.equal(torch.cat([y for _, y in parts]), whole_y)
+
+
+@pytest.mark.parametrize("branching", [1, 2, 4, 16])
+def test_markov_chain_structure(branching):
+    stream = MarkovStream(64, 64, branching, seed=0)
+    successors: dict[int, set[int]] = {}
+    for i in range(200):
+        row = stream.sample(i)
+        for a, b in zip(row[:-1], row[1:]):
+            successors.setdefault(int(a), set()).add(int(b))
+    assert max(len(s) for s in successors.values()) <= branching
+
+
+@pytest.mark.parametrize("vocab,branching", [(256, 4), (256, 16), (64, 2), (32, 32)])
+def test_loss_floor_between_zero_and_uniform(vocab, branching):
+    stream = MarkovStream(vocab, 16, branching, seed=0)
+    assert stream.loss_floor is not None
+    assert 0 < stream.loss_floor < math.log(vocab)
+    # Each row has `branching` successors, so its entropy is at most log(branching).
+    assert stream.loss_floor <= math.log(branching) + 1e-9
+    assert uniform_loss(vocab) == pytest.approx(math.log(vocab))
+
+
+def test_loss_floor_of_a_deterministic_chain_is_zero():
+    assert MarkovStream(64, 16, 1, seed=0).loss_floor == pytest.approx(0.0, abs=1e-12)
+
+
+def test_build_stream_synthetic():
+    cfg = DataConfig(name="synthetic", seq_len=24, branching=3)
+    a, b = build_stream(cfg, VOCAB, seed=7), build_stream(cfg, VOCAB, seed=7)
+    assert isinstance(a, MarkovStream)
+    xa, _ = check_batch(a, 0, 4, 24, VOCAB)
+    xb, _ = b.batch(0, 4)
+    assert torch.equal(xa, xb)
+
+
+# ---- replica shards ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("global_batch", [8, 16, 24])
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_replica_shard_covers_step_disjointly(global_batch, dp):
+    if global_batch % dp:
+        pytest.skip("dp must divide the global batch")
+    for step in range(4):
+        consumed = step * global_batch
+        shards = [replica_shard(consumed, global_batch, dp, r) for r in range(dp)]
+        assert all(s.count == global_batch // dp for s in shards)
+        samples = [i for s in shards for i in range(s.start, s.start + s.count)]
+        # In dp-rank order, contiguous, disjoint, and exactly this step's samples.
+        assert samples == list(range(step * global_batch, (step + 1) * global_batch))
+
+
+# ---- text and token files ---------------------------------------------------------------
+
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 20).encode() + bytes(range(256))
+
+
+def test_text_file_stream(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(TEXT)
+    cfg = DataConfig(name="text", path=str(path), seq_len=16)
+    stream = build_stream(cfg, VOCAB, seed=0)
+    assert isinstance(stream, WindowStream)
+    inputs, targets = check_batch(stream, 0, 8, 16, VOCAB)
+    blob = np.frombuffer(TEXT, dtype=np.uint8)
+    for i in range(8):
+        assert is_window(stream.sample(i), blob)
+    # Deterministic across instances, and addressed by index.
+    again = build_stream(cfg, VOCAB, seed=0)
+    x2, y2 = again.batch(0, 8)
+    assert torch.equal(inputs, x2) and torch.equal(targets, y2)
+    assert any(not np.array_equal(stream.sample(i), stream.sample(i + 1)) for i in range(8))
+
+
+def test_text_directory_and_glob(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"a" * 100)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_bytes(b"b" * 100)
+    (tmp_path / "ignored.md").write_bytes(b"c" * 100)
+    for path in [str(tmp_path), str(tmp_path / "**" / "*.txt")]:
+        stream = build_stream(DataConfig(name="text", path=path, seq_len=8), VOCAB, seed=0)
+        seen = set()
+        for i in range(200):
+            seen |= set(stream.sample(i).tolist())
+        assert seen <= {ord("a"), ord("b"), ord("\n")}
+        assert {ord("a"), ord("b")} <= seen
+
+
+def test_text_errors(tmp_path):
+    with pytest.raises(ValueError, match="data.path"):
+        build_stream(DataConfig(name="text", path=str(tmp_path / "missing.txt"), seq_len=8), VOCAB, seed=0)
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"tiny")
+    with pytest.raises(ValueError, match="seq_len"):
+        build_stream(DataConfig(name="text", path=str(short), seq_len=8), VOCAB, seed=0)
+
+
+def test_unknown_data_name():
+    with pytest.raises(ValueError, match="data.name"):
+        build_stream(DataConfig(name="nope"), VOCAB, seed=0)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.int64])
+def test_tokens_npy_stream(tmp_path, dtype):
+    vocab = 1000
+    tokens = np.random.default_rng(0).integers(0, vocab, size=5000).astype(dtype)
+    path = tmp_path / "tokens.npy"
+    np.save(path, tokens)
+    cfg = DataConfig(name="tokens", path=str(path), seq_len=32)
+    stream = build_stream(cfg, vocab, seed=1)
+    assert isinstance(stream, WindowStream)
+    inputs, targets = check_batch(stream, 3, 6, 32, vocab)
+    for i in range(3, 9):
+        assert is_window(stream.sample(i), tokens)
+    x2, y2 = build_stream(cfg, vocab, seed=1).batch(3, 6)
+    assert torch.equal(inputs, x2) and torch.equal(targets, y2)
+
+
+@pytest.mark.parametrize("token_dtype", ["uint16", "uint32"])
+def test_tokens_raw_bin_stream(tmp_path, token_dtype):
+    vocab = 50_000
+    tokens = np.random.default_rng(0).integers(0, vocab, size=3000).astype(token_dtype)
+    path = tmp_path / "tokens.bin"
+    tokens.tofile(path)
+    stream = build_stream(DataConfig(name="tokens", path=str(path), seq_len=16, token_dtype=token_dtype), vocab, seed=0)
+    check_batch(stream, 0, 4, 16, vocab)
+    for i in range(4):
+        assert is_window(stream.sample(i), tokens)
+
+
+def test_window_stream_reaches_the_last_window():
+    # 10 tokens, seq_len 8: windows of 9 start at 0 or 1; the final token must be a target.
+    stream = WindowStream(np.arange(10), 8, 0, "x")
+    starts = {int(stream.sample(i)[0]) for i in range(200)}
+    assert starts == {0, 1}
+    with pytest.raises(ValueError, match="fewer than data.seq_len"):
+        WindowStream(np.arange(8), 8, 0, "x")
