@@ -155,7 +155,7 @@ def train_many(rank: int, cfgs: dict, steps: int) -> dict[str, list[dict]]:
     {label: every step's metrics}. All configs need the same world size. Running several
     configs in one set of processes saves the start-up (spawn, imports, rendezvous), which
     dominates on a small CPU machine."""
-    from rayhybrid.train.loop import Trainer
+    from rayhybrid.trainer.loop import Trainer
 
     out = {}
     for label, cfg in cfgs.items():
@@ -173,7 +173,7 @@ def grads_many(rank: int, cfgs: dict) -> dict[str, dict]:
     every parameter name this rank holds, "grads": {name: full gradient}}}."""
     from torch.distributed.tensor import DTensor
 
-    from rayhybrid.train.loop import Trainer
+    from rayhybrid.trainer.loop import Trainer
 
     out = {}
     for label, cfg in cfgs.items():

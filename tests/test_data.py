@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rayhybrid.config.schema import DataConfig
-from rayhybrid.train.data import MarkovStream, WindowStream, build_stream, replica_shard, uniform_loss
+from rayhybrid.trainer.data import MarkovStream, WindowStream, build_stream, replica_shard, uniform_loss
 
 VOCAB = 256
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayhybrid.config.schema import TrainConfig
-from rayhybrid.train.optim import build_optimizer, lr_at, set_lr
+from rayhybrid.trainer.optim import build_optimizer, lr_at, set_lr
 
 CFG = TrainConfig(steps=100, lr=1e-3, min_lr=1e-4, warmup_steps=10)
 

@@ -41,3 +41,10 @@ def test_one_line_per_logged_step(tmp_path, caplog):
     assert [line.split("|")[0].strip() for line in logged] == ["step 1/4", "step 2/4", "step 4/4"]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+def test_python_entry_point_survives_importing_the_trainer():
+    import rayhybrid
+    import rayhybrid.trainer.loop  # noqa: F401  (a subpackage must not shadow rayhybrid.train)
+
+    assert callable(rayhybrid.train)

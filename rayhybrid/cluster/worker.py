@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import ray
@@ -38,8 +39,10 @@ class TrainWorker:
         self.world_size = world_size
         self.trainer = None
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
-        # DTensor warns on every step that a 2-D norm reduction takes two all-reduces.
+        # DTensor warns on every step that a 2-D norm reduction takes two all-reduces, and
+        # FSDP2/replicate that a stage's output is a view (nothing here modifies it in place).
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
     def info(self) -> WorkerInfo:
         ctx = ray.get_runtime_context()
@@ -63,7 +66,7 @@ class TrainWorker:
         import torch
 
         from rayhybrid.parallel.mesh import init_process_group
-        from rayhybrid.train.loop import Trainer
+        from rayhybrid.trainer.loop import Trainer
 
         torch.set_num_threads(self.cfg.cluster.torch_threads)
         own = self.info().gpu_ids

@@ -24,8 +24,8 @@ from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
 from rayhybrid.parallel.pipeline import build_schedule, stage_style
 from rayhybrid.topology import Topology, num_microbatches, split_layers, stage_ids
-from rayhybrid.train.data import build_stream, replica_shard
-from rayhybrid.train.optim import build_optimizer, lr_at, set_lr
+from rayhybrid.trainer.data import build_stream, replica_shard
+from rayhybrid.trainer.optim import build_optimizer, lr_at, set_lr
 
 log = logging.getLogger(__name__)
 
