@@ -221,3 +221,36 @@ def fail_on_rank(rank: int, bad: int, how: str = "raise") -> None:
 
 def replace_topology(cfg, **topology):
     return dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, **topology))
+
+
+def checkpoint_then_continue(rank: int, cfg, root: str, before: int, after: int) -> dict:
+    """Train `before` steps, save a checkpoint into `root`, train `after` more; the losses."""
+    from rayhybrid.trainer.loop import Trainer
+
+    tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+    first = [tr.train_step()["loss"] for _ in range(before)]
+    saved = tr.save_checkpoint(root, keep=2)
+    rest = [tr.train_step()["loss"] for _ in range(after)]
+    return {"before": first, "after": rest, "path": saved["path"]}
+
+
+def resume_many(rank: int, cfgs: dict, root: str, steps: int) -> dict[str, dict]:
+    """For each labelled config: a fresh `Trainer` restored from the newest checkpoint in
+    `root` (whatever topology wrote it), then `steps` steps; {label: {"step", "losses"}}."""
+    from rayhybrid import checkpoint_store
+    from rayhybrid.trainer.loop import Trainer
+
+    ckpt = checkpoint_store.latest(root)
+    out = {}
+    for label, cfg in cfgs.items():
+        try:
+            tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+            tr.load_checkpoint(str(ckpt.path), ckpt.meta)
+            start = tr.step
+            metrics = [tr.train_step() for _ in range(steps)]
+            out[label] = {"start": start, "losses": [m["loss"] for m in metrics],
+                          "consumed": [m["consumed_samples"] for m in metrics]}
+        except Exception as exc:
+            raise RuntimeError(f"config {label!r} failed on rank {rank}") from exc
+        del tr
+    return out

@@ -34,6 +34,7 @@ class Trainer:
     def __init__(self, cfg: Config, *, rank: int, device: torch.device) -> None:
         self.cfg = cfg
         t = cfg.topology
+        torch.manual_seed(cfg.seed)
         self.topo = Topology(t.dp, t.pp, t.tp)
         self.coord = self.topo.coord(rank)
         self.device = device
@@ -52,7 +53,9 @@ class Trainer:
         self.has_first = any(i == 0 for i, _ in self.stages)
         self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
         self.params = [p for _, m in self.stages for p in m.parameters()]
-        self.optimizer = build_optimizer(self.params, cfg.train)
+        # One optimizer per stage module, so optimizer state is keyed by that module's full
+        # parameter names (reshardable checkpoints, see trainer/checkpoint.py).
+        self.optimizers = [build_optimizer(list(m.parameters()), cfg.train) for _, m in self.stages]
         self.schedule = None
         if t.pp > 1:
             self.schedule = build_schedule(
@@ -67,6 +70,36 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.stage_layers = {i: list(ranges[i]) for i in owned}
+
+    def checkpoint_meta(self) -> dict:
+        """Trainer state that travels with a checkpoint, as JSON."""
+        t = self.cfg.topology
+        return {
+            "version": 1,
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "global_batch_size": self.cfg.train.global_batch_size,
+            "seed": self.cfg.seed,
+            "topology": {"dp": t.dp, "pp": t.pp, "tp": t.tp, "schedule": t.schedule, "dp_shard": t.dp_shard},
+        }
+
+    def save_checkpoint(self, root: str, keep: int) -> dict:
+        from rayhybrid.trainer import checkpoint
+
+        return checkpoint.save(self, root, keep)
+
+    def load_checkpoint(self, path: str, meta: dict) -> None:
+        """Restore a checkpoint written under any topology; the LR schedule follows `step`."""
+        from rayhybrid.trainer import checkpoint
+
+        if meta["global_batch_size"] != self.cfg.train.global_batch_size:
+            raise ValueError(
+                f"checkpoint {path} was trained with train.global_batch_size={meta['global_batch_size']}; "
+                f"resume with the same global batch (it fixes the sample stream and the LR schedule)"
+            )
+        checkpoint.load(self, path)
+        self.step = int(meta["step"])
+        self.consumed_samples = int(meta["consumed_samples"])
 
     def describe(self) -> dict:
         """What this rank holds, for the driver's start-up table and summary."""
@@ -122,11 +155,13 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.topology
         start = time.perf_counter()
         lr = lr_at(self.step, cfg.train)
-        set_lr(self.optimizer, lr)
+        for opt in self.optimizers:
+            set_lr(opt, lr)
 
         loss = self.forward_backward()
         grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
-        self.optimizer.step()
+        for opt in self.optimizers:
+            opt.step()
 
         loss = self._global_loss(loss)
         self.step += 1
@@ -156,7 +191,8 @@ class Trainer:
         if self.has_first or self.has_last:
             inputs, targets = self.stream.batch(shard.start, shard.count)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         with self._step_context():
             if self.schedule is None:
                 return self._forward_backward(inputs, targets)
