@@ -23,7 +23,8 @@ from rayhybrid.cluster.connect import connect, resolve_shape
 from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config
-from rayhybrid.errors import RayHybridError
+from rayhybrid import checkpoint_store
+from rayhybrid.errors import RayHybridError, WorkerError
 
 log = logging.getLogger("rayhybrid")
 
@@ -85,6 +86,25 @@ class RunOutput:
         eta = elapsed_s / max(1, len(self.history)) * (total - step)
         self.bar.update(step, metrics["loss"], eta)
 
+    def event(self, record: dict) -> None:
+        """A non-step record in metrics.jsonl (has an "event" key: resume, restart, checkpoint)."""
+        self.metrics_file.write(json.dumps(record) + "\n")
+
+    def rewind(self, step: int) -> None:
+        """Forget steps after `step` (they will be trained again from a checkpoint), in memory
+        and in metrics.jsonl, so every step appears once with the values that count."""
+        self.history = [m for m in self.history if m["step"] <= step]
+        self.metrics_file.close()
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            record = json.loads(line)
+            if "event" in record or record["step"] <= step:
+                kept.append(line)
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.metrics_path)
+        self.metrics_file = open(self.metrics_path, "a", buffering=1)
+
     def summary(self, summary: dict) -> dict:
         self.bar.clear()
         self.metrics_file.close()
@@ -95,18 +115,26 @@ class RunOutput:
         return summary
 
 
+class RunFailed(RayHybridError):
+    """The run cannot go on (restarts exhausted, a failure that repeats); the message names the
+    cause and the last good checkpoint."""
+
+
 class Controller:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.group: WorkerGroup | None = None
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.topology
         start = time.perf_counter()
         out = RunOutput(cfg)
+        ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out.dir / "checkpoints"
         summary: dict = {
             "status": "failed",
             "steps": 0,
             "final_loss": None,
+            "restarts": 0,
             "topology": {
                 **dataclasses.asdict(t),
                 "world_size": t.dp * t.pp * t.tp,
@@ -117,47 +145,28 @@ class Controller:
             "global_batch_size": cfg.train.global_batch_size,
             "micro_batch_size": cfg.train.micro_batch_size,
             "run_dir": str(out.dir),
+            "checkpoint_dir": str(ckpt_root),
+            "recoveries": [],
         }
         started_ray = False
-        group = None
         try:
             started_ray = connect(cfg)
             shape = resolve_shape(cfg)
             check_capacity(shape, t.dp)
-            group = WorkerGroup(cfg, shape)
             log.info(
                 "rayhybrid: %d ranks = dp %d x pp %d x tp %d (%s, %s, %d micro-batches of %d) on %s",
                 t.dp * t.pp * t.tp, t.dp, t.pp, t.tp, t.schedule if t.pp > 1 else "no pipeline",
                 "FSDP2" if t.dp_shard else "replicated dp", summary["topology"]["num_microbatches"],
                 cfg.train.micro_batch_size, "GPU" if shape.use_gpu else "CPU",
             )
-            group.start()
-            first = group.descriptions[0]
-            summary.update(
-                placement=group.placement(),
-                backend=first["backend"],
-                device=first["device"],
-                params=first["model_params"],
-                loss_floor=first["loss_floor"],
-                startup_s=round(time.perf_counter() - start, 3),
-            )
-            log.info(
-                "started %d workers in %.1fs; %s parameters; run dir %s%s",
-                len(group.workers), summary["startup_s"], f"{summary['params']:,}", out.dir,
-                f"; data loss floor {first['loss_floor']:.4f}" if first["loss_floor"] is not None else "",
-            )
-            train_start = time.perf_counter()
-            for _ in range(cfg.train.steps):
-                (metrics,) = group.train(1)
-                out.step(metrics, time.perf_counter() - train_start)
+            self._train(shape, out, ckpt_root, summary, start)
             history = out.history
             summary.update(
                 status="completed",
-                steps=history[-1]["step"],
-                initial_loss=history[0]["loss"],
-                final_loss=history[-1]["loss"],
-                consumed_samples=history[-1]["consumed_samples"],
-                train_s=round(time.perf_counter() - train_start, 3),
+                steps=history[-1]["step"] if history else summary.get("resumed_step", 0),
+                initial_loss=history[0]["loss"] if history else None,
+                final_loss=history[-1]["loss"] if history else None,
+                consumed_samples=history[-1]["consumed_samples"] if history else None,
                 mean_tokens_per_s=_mean_throughput(history),
             )
         except KeyboardInterrupt:
@@ -171,17 +180,129 @@ class Controller:
                 summary.update(steps=out.history[-1]["step"], final_loss=out.history[-1]["loss"])
             summary["wall_s"] = round(time.perf_counter() - start, 3)
             out.summary(summary)
-            if group is not None:
-                group.shutdown()
+            if self.group is not None:
+                self.group.shutdown(graceful=summary["status"] == "completed")
             if started_ray:
                 ray.shutdown()
         floor = summary.get("loss_floor")
         log.info(
-            "done: %d steps in %.1fs, loss %.4f -> %.4f%s; summary in %s",
-            summary["steps"], summary["wall_s"], summary["initial_loss"], summary["final_loss"],
-            f" (floor {floor:.4f})" if floor is not None else "", out.dir / "summary.json",
+            "done: %d steps in %.1fs, loss %s -> %s%s%s; summary in %s",
+            summary["steps"], summary["wall_s"], _fmt(summary["initial_loss"]), _fmt(summary["final_loss"]),
+            f" (floor {floor:.4f})" if floor is not None else "",
+            f", {summary['restarts']} restart(s)" if summary["restarts"] else "", out.dir / "summary.json",
         )
         return summary
+
+    def _start(self, shape, ckpt_root: Path, out: RunOutput, summary: dict) -> tuple[int, dict]:
+        """Place and start a worker group, restore the latest checkpoint; (step, timings)."""
+        timings = {}
+        mark = time.perf_counter()
+        self.group = WorkerGroup(self.cfg, shape)
+        self.group.start(timings)
+        ckpt = checkpoint_store.latest(ckpt_root)
+        step = 0
+        if ckpt is not None:
+            mark = time.perf_counter()
+            step = self.group.load(str(ckpt.path), ckpt.meta)
+            timings["restore_s"] = time.perf_counter() - mark
+            out.rewind(step)
+            written = ckpt.meta["topology"]
+            log.info(
+                "resuming from %s (step %d, %d samples consumed%s)", ckpt.path, step, ckpt.meta["consumed_samples"],
+                "" if all(written[k] == getattr(self.cfg.topology, k) for k in ("dp", "pp", "tp"))
+                else f"; written under dp{written['dp']}_pp{written['pp']}_tp{written['tp']}, resharded",
+            )
+            out.event({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
+            summary.setdefault("resumed_from", str(ckpt.path))
+        workers = [{**p, "pid": info.pid} for p, info in zip(self.group.placement(), self.group.infos)]
+        (out.dir / "workers.json").write_text(json.dumps(workers, indent=1) + "\n")
+        first = self.group.descriptions[0]
+        summary.update(
+            placement=self.group.placement(),
+            backend=first["backend"],
+            device=first["device"],
+            params=first["model_params"],
+            loss_floor=first["loss_floor"],
+        )
+        return step, timings
+
+    def _train(self, shape, out: RunOutput, ckpt_root: Path, summary: dict, start: float) -> None:
+        cfg = self.cfg
+        every, steps = cfg.checkpoint.every, cfg.train.steps
+        failures: list[int] = []
+        recovery: dict | None = None
+        last_progress = time.perf_counter()
+        step = 0
+        while True:
+            try:
+                step, timings = self._start(shape, ckpt_root, out, summary)
+                if recovery is None:
+                    summary["startup_s"] = round(time.perf_counter() - start, 3)
+                    log.info(
+                        "started %d workers in %.1fs; %s parameters; run dir %s%s",
+                        len(self.group.workers), summary["startup_s"], f"{summary['params']:,}", out.dir,
+                        f"; data loss floor {summary['loss_floor']:.4f}" if summary["loss_floor"] is not None else "",
+                    )
+                train_start = time.perf_counter()
+                while step < steps:
+                    (metrics,) = self.group.train(1, timeout_s=cfg.fault.step_timeout_s)
+                    step = metrics["step"]
+                    last_progress = time.perf_counter()
+                    if recovery is not None:
+                        recovery.update(timings, first_step_s=metrics["step_time_s"])
+                        recovery["total_s"] = last_progress - recovery.pop("_failed_at") + recovery["detect_s"]
+                        self._recovered(recovery, out, summary)
+                        recovery = None
+                    out.step(metrics, time.perf_counter() - train_start)
+                    if every and (step % every == 0 or step == steps):
+                        saved = self.group.save(str(ckpt_root), cfg.checkpoint.keep, timeout_s=cfg.fault.step_timeout_s)
+                        out.event({"event": "checkpoint", "step": step, "path": saved["path"],
+                                   "save_s": round(saved["save_s"], 3)})
+                        summary["last_checkpoint"] = saved["path"]
+                summary["train_s"] = round(time.perf_counter() - train_start, 3)
+                return
+            except WorkerError as err:
+                failed_at = time.perf_counter()
+                good = checkpoint_store.latest(ckpt_root)
+                where = f"last good checkpoint: {good.path} (step {good.step})" if good else "no checkpoint yet"
+                failures.append(step + 1)
+                log.warning("step %d failed: %s", step + 1, err)
+                mark = time.perf_counter()
+                self.group.shutdown(graceful=False)
+                teardown_s = time.perf_counter() - mark
+                if summary["restarts"] >= cfg.fault.max_restarts:
+                    raise RunFailed(
+                        f"giving up after {summary['restarts']} restart(s) (fault.max_restarts={cfg.fault.max_restarts}): "
+                        f"{err}; {where}"
+                    ) from None
+                if failures.count(step + 1) > 1:
+                    raise RunFailed(f"step {step + 1} failed twice, the same way it will again: {err}; {where}") from None
+                summary["restarts"] += 1
+                recovery = {
+                    "restart": summary["restarts"], "failed_step": step + 1, "cause": str(err),
+                    "resume_step": good.step if good else 0,
+                    "detect_s": failed_at - last_progress if recovery is None else 0.0,
+                    "teardown_s": teardown_s, "_failed_at": failed_at,
+                }
+                log.warning(
+                    "restart %d/%d: tearing down and restarting from %s",
+                    summary["restarts"], cfg.fault.max_restarts, good.path if good else "the beginning",
+                )
+
+    def _recovered(self, recovery: dict, out: RunOutput, summary: dict) -> None:
+        rounded = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in recovery.items()}
+        summary["recoveries"].append(rounded)
+        out.event({"event": "restart", **rounded})
+        log.warning(
+            "recovered from the failure at step %d in %.1fs (teardown %.1fs, place %.1fs, init %.1fs, restore %.1fs, "
+            "first step %.1fs)", recovery["failed_step"], recovery["total_s"], recovery["teardown_s"],
+            recovery.get("place_s", 0.0), recovery.get("init_s", 0.0), recovery.get("restore_s", 0.0),
+            recovery["first_step_s"],
+        )
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _mean_throughput(history: list[dict]) -> float:

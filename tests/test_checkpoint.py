@@ -12,7 +12,7 @@ import os
 import pytest
 
 from rayhybrid import checkpoint_store as store
-from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
+from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TrainConfig
 from tests.distributed import checkpoint_then_continue, replace_topology, resume_many, run_configs, run_ranks
 
 BEFORE, AFTER = 3, 3

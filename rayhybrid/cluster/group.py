@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 
 import ray
@@ -29,10 +30,13 @@ class WorkerGroup:
         self.infos: list[WorkerInfo] = []
         self.descriptions: list[dict] = []
 
-    def start(self) -> None:
-        """Place the replicas, start the actors, join the process group and build the model."""
+    def start(self, timings: dict | None = None) -> None:
+        """Place the replicas, start the actors, join the process group and build the model.
+        `timings` gets `place_s` and `init_s`."""
         topo, shape = self.topology, self.shape
+        mark = time.perf_counter()
         self.groups = reserve_replicas(shape, topo.dp, self.cfg.cluster.placement_timeout_s)
+        placed = time.perf_counter()
         actor_cls = ray.remote(TrainWorker)
         for rank in range(topo.world_size):
             coord = topo.coord(rank)
@@ -60,11 +64,20 @@ class WorkerGroup:
                 for w, info in zip(self.workers, self.infos)
             ]
         )
+        if timings is not None:
+            timings.update(place_s=placed - mark, init_s=time.perf_counter() - placed)
 
-    def train(self, steps: int = 1) -> list[dict]:
-        """Run `steps` optimizer steps on every rank; returns rank 0's metrics per step."""
-        results = self._get([w.train.remote(steps) for w in self.workers])
+    def train(self, steps: int = 1, timeout_s: float | None = None) -> list[dict]:
+        """Run `steps` optimizer steps on every rank; returns rank 0's metrics per step.
+        A call that makes no progress for `timeout_s` counts as a failed (hung) worker."""
+        results = self._get([w.train.remote(steps) for w in self.workers], timeout_s=timeout_s, what="step")
         return results[0]
+
+    def save(self, root: str, keep: int, timeout_s: float | None = None) -> dict:
+        return self._get([w.save.remote(root, keep) for w in self.workers], timeout_s=timeout_s, what="checkpoint save")[0]
+
+    def load(self, path: str, meta: dict) -> int:
+        return self._get([w.load.remote(path, meta) for w in self.workers])[0]
 
     def placement(self) -> list[dict]:
         """Rank -> node and bundle, for logs, tests and the plan."""
@@ -85,8 +98,8 @@ class WorkerGroup:
             )
         return out
 
-    def shutdown(self) -> None:
-        if self.workers:
+    def shutdown(self, graceful: bool = True) -> None:
+        if self.workers and graceful:
             try:
                 ray.get([w.close.remote() for w in self.workers], timeout=30)
             except (RayError, TimeoutError):  # dead or hung workers: they are killed below
@@ -96,12 +109,18 @@ class WorkerGroup:
         release(self.groups)
         self.workers, self.groups = [], []
 
-    def _get(self, refs: list) -> list:
-        """`ray.get` that fails fast, naming the first rank whose call failed."""
+    def _get(self, refs: list, timeout_s: float | None = None, what: str = "call") -> list:
+        """`ray.get` that fails fast, naming the first rank whose call failed, or the first
+        rank still busy when no rank has finished for `timeout_s`."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            if not ready:
+                raise WorkerError(
+                    rank_of[pending[0]],
+                    f"{what} made no progress for {timeout_s:g}s (fault.step_timeout_s); the worker is hung",
+                )
             for ref in ready:
                 try:
                     ray.get(ref)

@@ -86,6 +86,13 @@ class TrainWorker:
         self.trainer = Trainer(self.cfg, rank=self.rank, device=device)
         return self.trainer.describe()
 
+    def save(self, root: str, keep: int) -> dict:
+        return self.trainer.save_checkpoint(root, keep)
+
+    def load(self, path: str, meta: dict) -> int:
+        self.trainer.load_checkpoint(path, meta)
+        return self.trainer.step
+
     def train(self, steps: int = 1) -> list[dict]:
         return [self.trainer.train_step() for _ in range(steps)]
 

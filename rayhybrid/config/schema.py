@@ -112,12 +112,32 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""
+    """Where checkpoints go; empty: <run dir>/checkpoints. A run whose dir holds one resumes."""
+    every: int = 50
+    """Save every N optimizer steps (and at the end); 0: never."""
+    keep: int = 2
+    """How many published checkpoints to keep; 0: all."""
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    max_restarts: int = 3
+    """Restarts from the latest checkpoint after a worker or node failure before giving up."""
+    step_timeout_s: float = 300.0
+    """A step that makes no progress for this long counts as a failure (a hung worker)."""
+
+
+@dataclass(frozen=True)
 class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     seed: int = 0
     run_dir: str = ""
     """Where outputs go; set from Hydra's run dir (hydra.run.dir=...)."""

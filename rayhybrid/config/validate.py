@@ -22,6 +22,7 @@ def _positive(cfg: Config) -> None:
         "data": ("seq_len", "branching"),
         "train": ("steps", "global_batch_size", "micro_batch_size", "log_every"),
         "cluster": ("cpus_per_rank", "torch_threads", "placement_timeout_s"),
+        "fault": ("step_timeout_s",),
     }
     for section, names in sections.items():
         for name in names:
@@ -29,7 +30,8 @@ def _positive(cfg: Config) -> None:
             if value <= 0:
                 raise ConfigError(f"{section}.{name}", f"must be positive, got {value}; set {section}.{name}=1 or more")
     for section, name in (("train", "lr"), ("train", "min_lr"), ("train", "warmup_steps"),
-                          ("train", "weight_decay"), ("train", "grad_clip"), ("cluster", "num_cpus")):
+                          ("train", "weight_decay"), ("train", "grad_clip"), ("cluster", "num_cpus"),
+                          ("checkpoint", "every"), ("checkpoint", "keep"), ("fault", "max_restarts")):
         value = getattr(getattr(cfg, section), name)
         if value < 0:
             raise ConfigError(f"{section}.{name}", f"must not be negative, got {value}")
