@@ -19,11 +19,11 @@ from pathlib import Path
 
 import ray
 
+from rayhybrid import checkpoint_store
 from rayhybrid.cluster.connect import connect, resolve_shape
 from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config
-from rayhybrid import checkpoint_store
 from rayhybrid.errors import RayHybridError, WorkerError
 
 log = logging.getLogger("rayhybrid")

@@ -140,5 +140,11 @@ def _summary(err: Exception) -> str:
     cause = getattr(err, "cause", None)
     if isinstance(cause, Exception) and not isinstance(cause, RayError):
         return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    if isinstance(err, RayActorError):
+        # Ray's text runs to a paragraph of possible causes; keep what happened.
+        text = " ".join(str(err).split())
+        first = text.split(". ")[0].rstrip(".")
+        exit_type = text.split("Worker exit type: ")[1].split()[0] if "Worker exit type: " in text else ""
+        return f"{first} ({exit_type})" if exit_type else first
     lines = [line for line in str(err).strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else type(err).__name__

@@ -1,0 +1,157 @@
+"""Automatic recovery: a worker killed with SIGKILL, a worker that hangs (SIGSTOP), and a run that
+runs out of restarts. Each checks the outcome, the checkpoints on disk and the loss trajectory
+(the same as an uninterrupted run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+import rayhybrid
+from rayhybrid import checkpoint_store
+from rayhybrid.controller import RunFailed
+
+COMMON = ["train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=32", "checkpoint.every=3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted losses on one rank (parity makes them the same for every topology)."""
+    summary = rayhybrid.train([*COMMON, "train.steps=12"], run_dir=tmp_path_factory.mktemp("ref"))
+    return losses(Path(summary["run_dir"]))
+
+
+def losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)), "each step exactly once"
+    return [r["loss"] for r in steps]
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("event") == kind]
+
+
+def when_step(run_dir: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and sum('"loss"' in line for line in path.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def signal_rank(run_dir: Path, rank: int, sig: int) -> int:
+    pid = json.loads((run_dir / "workers.json").read_text())[rank]["pid"]
+    os.kill(pid, sig)
+    return pid
+
+
+def in_background(overrides: list[str], run_dir: Path) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def target():
+        try:
+            result["summary"] = rayhybrid.train(overrides, run_dir=run_dir)
+        except Exception as err:  # noqa: BLE001 - handed to the test
+            result["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_sigkill_of_a_rank_mid_run(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    thread, result = in_background(["+topology=dp2_pp2_tp2", *COMMON, "train.steps=12"], run_dir)
+    when_step(run_dir, 5)
+    signal_rank(run_dir, 5, signal.SIGKILL)
+    thread.join(timeout=400)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    assert summary["status"] == "completed" and summary["restarts"] == 1
+    (recovery,) = summary["recoveries"]
+    assert recovery["resume_step"] in (3, 6) and "rank" in recovery["cause"]
+    for key in ("detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s", "total_s"):
+        assert recovery[key] >= 0, key
+    assert events(run_dir, "restart")[0]["restart"] == 1
+    assert losses(run_dir) == pytest.approx(reference, rel=1e-5)
+    names = sorted(os.listdir(run_dir / "checkpoints"))
+    assert names == [checkpoint_store.name_for(9), checkpoint_store.name_for(12)]  # keep=2, no temporaries
+
+
+def test_hung_rank_is_detected_by_step_timeout(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    thread, result = in_background(["+topology=dp2", *COMMON, "train.steps=9", "fault.step_timeout_s=3"], run_dir)
+    when_step(run_dir, 4)
+    pid = signal_rank(run_dir, 1, signal.SIGSTOP)
+    thread.join(timeout=300)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    assert summary["restarts"] == 1 and "no progress for 3s" in summary["recoveries"][0]["cause"]
+    assert losses(run_dir) == pytest.approx(reference[:9], rel=1e-5)
+    with pytest.raises(ProcessLookupError):  # the stopped worker was killed in the teardown
+        for _ in range(50):
+            os.kill(pid, 0)
+            time.sleep(0.1)
+
+
+def test_restarts_run_out(tmp_path):
+    run_dir = tmp_path / "run"
+    thread, result = in_background(["+topology=dp2", *COMMON, "train.steps=200", "fault.max_restarts=1"], run_dir)
+    when_step(run_dir, 4)
+    signal_rank(run_dir, 0, signal.SIGKILL)
+    # After the restart, workers.json names the new processes; kill one of them too.
+    deadline = time.monotonic() + 120
+    while not events(run_dir, "restart") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    signal_rank(run_dir, 1, signal.SIGKILL)
+    thread.join(timeout=300)
+    err = result.get("error")
+    assert isinstance(err, RunFailed), result
+    assert "fault.max_restarts=1" in str(err) and "last good checkpoint" in str(err) and "step_" in str(err)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["restarts"] == 1 and summary["error"] == str(err)
+    assert checkpoint_store.latest(run_dir / "checkpoints") is not None
+
+
+def test_kill_during_checkpoint_save_keeps_previous(tmp_path):
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    # A wider model so a save lasts long enough to be caught in the middle.
+    overrides = ["+topology=dp2", *COMMON, "train.steps=12", "model.d_model=256", "model.n_heads=4"]
+    thread, result = in_background(overrides, run_dir)
+    when_step(run_dir, 4)  # the step-3 checkpoint is published
+    deadline, killed_during = time.monotonic() + 120, None
+    while killed_during is None and time.monotonic() < deadline:
+        temporary = list(ckpts.glob(checkpoint_store.TMP_PREFIX + "*")) if ckpts.exists() else []
+        if temporary:
+            signal_rank(run_dir, 1, signal.SIGKILL)
+            killed_during = temporary[0].name
+        time.sleep(0.002)
+    assert killed_during is not None, "no save caught in flight"
+    thread.join(timeout=300)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    (recovery,) = summary["recoveries"]
+    # The half-written checkpoint was never published: the run went back to the one before it.
+    interrupted = int(killed_during.removeprefix(checkpoint_store.TMP_PREFIX + checkpoint_store.PREFIX))
+    assert recovery["resume_step"] == interrupted - 3
+    assert summary["status"] == "completed" and summary["steps"] == 12
+    assert not list(ckpts.glob(checkpoint_store.TMP_PREFIX + "*"))
+    assert checkpoint_store.latest(ckpts).step == 12
