@@ -155,3 +155,18 @@ def test_kill_during_checkpoint_save_keeps_previous(tmp_path):
     assert summary["status"] == "completed" and summary["steps"] == 12
     assert not list(ckpts.glob(checkpoint_store.TMP_PREFIX + "*"))
     assert checkpoint_store.latest(ckpts).step == 12
+
+
+def test_failure_that_repeats_at_the_same_step_stops(tmp_path):
+    import numpy as np
+
+    tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.int64)
+    tokens[::50] = 300  # ids past model.vocab_size=256: the embedding raises on every attempt
+    np.save(tmp_path / "bad.npy", tokens)
+    with pytest.raises(RunFailed) as info:
+        rayhybrid.train([*COMMON, "data=tokens", f"data.path={tmp_path / 'bad.npy'}", "train.steps=5"],
+                        run_dir=tmp_path / "run")
+    message = str(info.value)
+    assert "step 1 failed twice" in message and "rank 0" in message and "no checkpoint yet" in message
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["restarts"] == 1
