@@ -196,7 +196,6 @@ class Controller:
     def _start(self, shape, ckpt_root: Path, out: RunOutput, summary: dict) -> tuple[int, dict]:
         """Place and start a worker group, restore the latest checkpoint; (step, timings)."""
         timings = {}
-        mark = time.perf_counter()
         self.group = WorkerGroup(self.cfg, shape)
         self.group.start(timings)
         ckpt = checkpoint_store.latest(ckpt_root)
@@ -214,6 +213,7 @@ class Controller:
             )
             out.event({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
             summary.setdefault("resumed_from", str(ckpt.path))
+            summary["resumed_step"] = step
         workers = [{**p, "pid": info.pid} for p, info in zip(self.group.placement(), self.group.infos)]
         (out.dir / "workers.json").write_text(json.dumps(workers, indent=1) + "\n")
         first = self.group.descriptions[0]

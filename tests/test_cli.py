@@ -67,7 +67,10 @@ def test_train_dp2_pp2_tp2_from_another_directory(tmp_path):
     step_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(step_lines) == steps
 
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [r for r in records if "event" not in r]
+    assert [r["step"] for r in records if r.get("event") == "checkpoint"] == [steps]  # the final save
+    assert (run_dir / "checkpoints" / f"step_{steps:08d}" / "meta.json").is_file()
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:
         for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "consumed_samples", "dp", "pp", "tp"):
