@@ -194,10 +194,14 @@ class Controller:
         return summary
 
     def _start(self, shape, ckpt_root: Path, out: RunOutput, summary: dict) -> tuple[int, dict]:
-        """Place and start a worker group, restore the latest checkpoint; (step, timings)."""
+        """Place and start a worker group (or, after a failure, recover the one there is),
+        restore the latest checkpoint; (step, timings)."""
         timings = {}
-        self.group = WorkerGroup(self.cfg, shape)
-        self.group.start(timings)
+        if self.group is None:
+            self.group = WorkerGroup(self.cfg, shape)
+            self.group.start(timings)
+        else:
+            timings["replaced_ranks"] = self.group.recover(timings)
         ckpt = checkpoint_store.latest(ckpt_root)
         step = 0
         if ckpt is not None:
@@ -267,9 +271,6 @@ class Controller:
                 where = f"last good checkpoint: {good.path} (step {good.step})" if good else "no checkpoint yet"
                 failures.append(step + 1)
                 log.warning("step %d failed: %s", step + 1, err)
-                mark = time.perf_counter()
-                self.group.shutdown(graceful=False)
-                teardown_s = time.perf_counter() - mark
                 if summary["restarts"] >= cfg.fault.max_restarts:
                     raise RunFailed(
                         f"giving up after {summary['restarts']} restart(s) (fault.max_restarts={cfg.fault.max_restarts}): "
@@ -282,10 +283,10 @@ class Controller:
                     "restart": summary["restarts"], "failed_step": step + 1, "cause": str(err),
                     "resume_step": good.step if good else 0,
                     "detect_s": failed_at - last_progress if recovery is None else 0.0,
-                    "teardown_s": teardown_s, "_failed_at": failed_at,
+                    "_failed_at": failed_at,
                 }
                 log.warning(
-                    "restart %d/%d: tearing down and restarting from %s",
+                    "restart %d/%d: replacing the failed workers and restarting from %s",
                     summary["restarts"], cfg.fault.max_restarts, good.path if good else "the beginning",
                 )
 
@@ -295,7 +296,7 @@ class Controller:
         out.event({"event": "restart", **rounded})
         log.warning(
             "recovered from the failure at step %d in %.1fs (teardown %.1fs, place %.1fs, init %.1fs, restore %.1fs, "
-            "first step %.1fs)", recovery["failed_step"], recovery["total_s"], recovery["teardown_s"],
+            "first step %.1fs)", recovery["failed_step"], recovery["total_s"], recovery.get("teardown_s", 0.0),
             recovery.get("place_s", 0.0), recovery.get("init_s", 0.0), recovery.get("restore_s", 0.0),
             recovery["first_step_s"],
         )

@@ -39,3 +39,8 @@ class WorkerError(RayHybridError):
 
     def __reduce__(self):
         return (type(self), (self.rank, self.message))
+
+
+class RankFailed(RayHybridError):
+    """Raised inside a worker whose call failed, after it left the process group; the message
+    is the original error's one-line summary."""

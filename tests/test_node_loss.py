@@ -32,7 +32,9 @@ def test_node_removed_mid_run(cluster, tmp_path):
     ref = rayhybrid.train([*COMMON, "+topology=dp2", "train.steps=9"], run_dir=tmp_path / "ref")
     thread, result = in_background([*COMMON, "+topology=dp2", "train.steps=9"], run_dir)
     when_step(run_dir, 4)
-    node_of_rank0 = json.loads((run_dir / "workers.json").read_text())[0]["node_id"]
+    before = json.loads((run_dir / "workers.json").read_text())
+    node_of_rank0 = before[0]["node_id"]
+    lost = [w["rank"] for w in before if w["node_id"] == node_of_rank0]
     (victim,) = [n for n in nodes if n.node_id == node_of_rank0]
     removed_at = time.monotonic()
     c.remove_node(victim)
@@ -42,5 +44,7 @@ def test_node_removed_mid_run(cluster, tmp_path):
     assert summary["status"] == "completed" and summary["restarts"] >= 1
     assert time.monotonic() - removed_at < 300
     assert all(p["node_id"] != node_of_rank0 for p in summary["placement"])  # placed on what is left
+    # The ranks on the lost node were replaced (Ray placed their bundles again); the others kept.
+    assert summary["recoveries"][0]["replaced_ranks"] == lost
     assert losses(run_dir) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
     assert ref["status"] == "completed"

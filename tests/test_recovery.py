@@ -81,6 +81,7 @@ def test_sigkill_of_a_rank_mid_run(tmp_path, reference):
     run_dir = tmp_path / "run"
     thread, result = in_background(["+topology=dp2_pp2_tp2", *COMMON, "train.steps=12"], run_dir)
     when_step(run_dir, 5)
+    pids_before = [w["pid"] for w in json.loads((run_dir / "workers.json").read_text())]
     signal_rank(run_dir, 5, signal.SIGKILL)
     thread.join(timeout=400)
     summary = result.get("summary")
@@ -88,6 +89,10 @@ def test_sigkill_of_a_rank_mid_run(tmp_path, reference):
     assert summary["status"] == "completed" and summary["restarts"] == 1
     (recovery,) = summary["recoveries"]
     assert recovery["resume_step"] in (3, 6) and "rank" in recovery["cause"]
+    # Only the killed rank was replaced: the other seven processes carried on in the new group.
+    assert recovery["replaced_ranks"] == [5]
+    pids_after = [w["pid"] for w in json.loads((run_dir / "workers.json").read_text())]
+    assert [a == b for a, b in zip(pids_before, pids_after)] == [rank != 5 for rank in range(8)]
     for key in ("detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s", "total_s"):
         assert recovery[key] >= 0, key
     assert events(run_dir, "restart")[0]["restart"] == 1
@@ -105,6 +110,8 @@ def test_hung_rank_is_detected_by_step_timeout(tmp_path, reference):
     summary = result.get("summary")
     assert summary is not None, result.get("error")
     assert summary["restarts"] == 1 and "no progress for 3s" in summary["recoveries"][0]["cause"]
+    # The stopped rank did not answer a ping and was replaced; the one blocked on it was kept.
+    assert summary["recoveries"][0]["replaced_ranks"] == [1]
     assert losses(run_dir) == pytest.approx(reference[:9], rel=1e-5)
     with pytest.raises(ProcessLookupError):  # the stopped worker was killed in the teardown
         for _ in range(50):

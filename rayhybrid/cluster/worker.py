@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import ray
 
 from rayhybrid.config.schema import Config
+from rayhybrid.errors import RankFailed
 
 
 @dataclass(frozen=True)
@@ -29,9 +31,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+CONTROL = "control"  # the concurrency group that answers while a step is blocked
+
+
 class TrainWorker:
     """Constructed by `WorkerGroup` through `ray.remote(...).options(...)` inside a replica's
-    placement group bundle (bundle index = pipeline stage)."""
+    placement group bundle (bundle index = pipeline stage).
+
+    A worker outlives its process group: when a call fails (a peer died, a collective broke),
+    it drops its `Trainer` and destroys the process group before reporting, which closes its
+    connections and so wakes the peers still waiting on it. The group can then join it again
+    (`setup`) with replacements for the workers that died, instead of starting every process
+    anew. `ping` runs in its own thread, so a worker blocked in a collective still answers and
+    a stopped or wedged one can be told apart."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
         self.cfg = cfg
@@ -54,21 +66,46 @@ class TrainWorker:
             gpu_ids=tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", [])),
         )
 
+    @ray.method(concurrency_group=CONTROL)
+    def ping(self) -> int:
+        return os.getpid()
+
     def free_port(self) -> int:
         return free_port()
 
-    def setup(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...] = ()) -> dict:
-        """Join the process group and build this rank's part of the model.
+    def setup(
+        self,
+        master_addr: str,
+        master_port: int,
+        visible_gpus: tuple[str, ...] = (),
+        rank: int | None = None,
+        cfg: Config | None = None,
+    ) -> dict:
+        """Join the process group and build this rank's part of the model; again after a
+        failure or a resize, when `rank` and `cfg` (its topology) may change.
 
         `visible_gpus`: every GPU the ranks on this node hold; each worker sees all of them
         (so NCCL can use peer-to-peer links) and picks its own by position.
         """
+        self.reset()
+        if cfg is not None:
+            t = cfg.topology
+            self.cfg, self.world_size = cfg, t.dp * t.pp * t.tp
+        if rank is not None:
+            self.rank = rank
+        return self._guarded(self._join, master_addr, master_port, visible_gpus)
+
+    def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...]) -> dict:
         import torch
 
         from rayhybrid.parallel.mesh import init_process_group
         from rayhybrid.trainer.loop import Trainer
 
         torch.set_num_threads(self.cfg.cluster.torch_threads)
+        # What the imports made lives as long as the process: keep it out of the collections
+        # that `reset` runs, which then take milliseconds instead of most of a second.
+        gc.collect()
+        gc.freeze()
         own = self.info().gpu_ids
         if own:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus or own)
@@ -87,17 +124,41 @@ class TrainWorker:
         return self.trainer.describe()
 
     def save(self, root: str, keep: int) -> dict:
-        return self.trainer.save_checkpoint(root, keep)
+        return self._guarded(self.trainer.save_checkpoint, root, keep)
 
     def load(self, path: str, meta: dict) -> int:
-        self.trainer.load_checkpoint(path, meta)
+        self._guarded(self.trainer.load_checkpoint, path, meta)
         return self.trainer.step
 
     def train(self, steps: int = 1) -> list[dict]:
-        return [self.trainer.train_step() for _ in range(steps)]
+        return self._guarded(lambda: [self.trainer.train_step() for _ in range(steps)])
 
-    def close(self) -> None:
+    def _guarded(self, fn, *args):
+        """Run `fn`; on failure leave the process group (waking the peers blocked on this
+        rank) and raise `RankFailed` with the error's one-line summary."""
+        try:
+            return fn(*args)
+        except Exception as err:  # noqa: BLE001 - any failure breaks the group the same way
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            message = f"{type(err).__name__}: {lines[0] if lines else ''}"
+        # Outside the handler, so the traceback's frames (and the trainer they hold) are gone.
+        self.reset()
+        raise RankFailed(message)
+
+    def reset(self) -> None:
+        """Drop the trainer and the process groups; idempotent. A group's connections close
+        only when nothing refers to it any more: the trainer holds cycles (hence the
+        collection) and device meshes keep their groups in registries (`forget_meshes`)."""
         import torch.distributed as dist
 
+        self.trainer = None
         if dist.is_initialized():
+            from rayhybrid.parallel.mesh import forget_meshes
+
             dist.destroy_process_group()
+            gc.collect()
+            forget_meshes()
+        gc.collect()
+
+    def close(self) -> None:
+        self.reset()

@@ -33,3 +33,21 @@ def init_process_group(
 def build_mesh(dp: int, pp: int, tp: int, device: torch.device) -> DeviceMesh:
     """The one mesh every sub-group comes from; rank order is tp fastest, dp outermost."""
     return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def forget_meshes() -> None:
+    """After `destroy_process_group`: drop the references that device meshes (each keeps its
+    groups in a registry) and DTensor's sharding caches (which keep meshes) still hold to the
+    destroyed groups, so their connections close; a peer blocked on this rank then fails at
+    once instead of waiting for the collective's timeout. The scan is short when the objects
+    made by imports were frozen out of the collector (`gc.freeze`, see cluster/worker.py)."""
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    for obj in gc.get_objects():
+        if type(obj) is DeviceMesh:
+            getattr(obj, "_pg_registry", {}).clear()

@@ -51,24 +51,25 @@ def save(trainer, root: str | Path, keep: int) -> dict:
     start = time.perf_counter()
     name = store.name_for(trainer.step)
     tmp, final = root / (store.TMP_PREFIX + name), root / name
+    group = trainer.world_group
     state, _ = state_dict(trainer)
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
-    dist.barrier()  # every rank's shards are on disk
+    dist.barrier(group=group)
+    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+    dist.barrier(group=group)  # every rank's shards are on disk
     if dist.get_rank() == 0:
         store.write_meta(tmp, trainer.checkpoint_meta())
         store.publish(tmp, final)
         store.retain(root, keep)
-    dist.barrier()
+    dist.barrier(group=group)
     return {"path": str(final), "save_s": time.perf_counter() - start}
 
 
 def load(trainer, path: str | Path) -> None:
     """Restore model, optimizer and RNG from `path`, resharding to this rank's layout."""
     state, keys = state_dict(trainer)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), process_group=trainer.world_group)
     for (module, opt), (model_keys, optim_keys) in zip(_parts(trainer), keys):
         set_model_state_dict(module, {k: state["model"][k] for k in model_keys}, options=OPTIONS)
         set_optimizer_state_dict(module, opt, {k: state["optim"][k] for k in optim_keys}, options=OPTIONS)

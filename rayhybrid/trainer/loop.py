@@ -39,6 +39,9 @@ class Trainer:
         self.coord = self.topo.coord(rank)
         self.device = device
         self.mesh = build_mesh(t.dp, t.pp, t.tp, device)
+        # All ranks, for checkpoints: a group of its own rather than the default one, so that
+        # leaving it after a failure (see cluster/worker.py) closes its connections too.
+        self.world_group = dist.new_group()
         self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
         self.n_microbatches = num_microbatches(cfg.train.global_batch_size, t.dp, cfg.train.micro_batch_size)
         self.replica_tokens = cfg.train.global_batch_size // t.dp * cfg.data.seq_len
