@@ -24,7 +24,8 @@ from rayhybrid.cluster.connect import connect, resolve_shape
 from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config
-from rayhybrid.errors import RayHybridError, WorkerError
+from rayhybrid.config.validate import usable_dps
+from rayhybrid.errors import PlacementError, RayHybridError, WorkerError
 
 log = logging.getLogger("rayhybrid")
 
@@ -124,6 +125,10 @@ class Controller:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.group: WorkerGroup | None = None
+        self.elastic = cfg.elastic.enabled
+        # An elastic run may use any of these dp values; a fixed one only topology.dp.
+        self.usable = usable_dps(cfg) if self.elastic else [cfg.topology.dp]
+        self.min_dp = min(d for d in self.usable if d >= cfg.elastic.min_dp) if self.elastic else None
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.topology
@@ -147,16 +152,21 @@ class Controller:
             "run_dir": str(out.dir),
             "checkpoint_dir": str(ckpt_root),
             "recoveries": [],
+            "resizes": [],
         }
         started_ray = False
         try:
             started_ray = connect(cfg)
             shape = resolve_shape(cfg)
-            check_capacity(shape, t.dp)
+            check_capacity(shape, self.min_dp or t.dp)
+            if self.elastic:
+                self._announce_elastic()
             log.info(
-                "rayhybrid: %d ranks = dp %d x pp %d x tp %d (%s, %s, %d micro-batches of %d) on %s",
-                t.dp * t.pp * t.tp, t.dp, t.pp, t.tp, t.schedule if t.pp > 1 else "no pipeline",
-                "FSDP2" if t.dp_shard else "replicated dp", summary["topology"]["num_microbatches"],
+                "rayhybrid: %s ranks = dp %s x pp %d x tp %d (%s, %s, %s micro-batches of %d) on %s",
+                t.dp * t.pp * t.tp if not self.elastic else "elastic", t.dp if not self.elastic else
+                f"{self.min_dp}..{self.usable[-1]}", t.pp, t.tp, t.schedule if t.pp > 1 else "no pipeline",
+                "FSDP2" if t.dp_shard else "replicated dp",
+                summary["topology"]["num_microbatches"] if not self.elastic else "G/(dp x mb)",
                 cfg.train.micro_batch_size, "GPU" if shape.use_gpu else "CPU",
             )
             self._train(shape, out, ckpt_root, summary, start)
@@ -193,26 +203,53 @@ class Controller:
         )
         return summary
 
+    def _announce_elastic(self) -> None:
+        low, high = self.cfg.elastic.dp_range(self.cfg.topology.dp)
+        skipped = [d for d in range(low, high + 1) if d not in self.usable]
+        tr = self.cfg.train
+        log.info(
+            "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s", self.min_dp, self.usable[-1],
+            self.cfg.topology.pp, self.cfg.topology.tp, ", ".join(map(str, self.usable)),
+            f" (dp {', '.join(map(str, skipped))} cannot split global batch {tr.global_batch_size} into micro-batches "
+            f"of {tr.micro_batch_size}; the run uses the largest usable dp it can place)" if skipped else "",
+        )
+
     def _start(self, shape, ckpt_root: Path, out: RunOutput, summary: dict) -> tuple[int, dict]:
-        """Place and start a worker group (or, after a failure, recover the one there is),
-        restore the latest checkpoint; (step, timings)."""
+        """Place and start a worker group (or, after a failure, recover the one there is, an
+        elastic one shrinking when replicas are gone), restore the latest checkpoint;
+        (step, timings)."""
         timings = {}
         if self.group is None:
-            self.group = WorkerGroup(self.cfg, shape)
-            self.group.start(timings)
+            self.group = WorkerGroup(self.cfg, shape, self.usable)
+            self.group.start(self.min_dp, timings)
         else:
-            timings["replaced_ranks"] = self.group.recover(timings)
+            dp_before = self.group.dp
+            try:
+                timings["replaced_ranks"] = self.group.recover(timings, self.min_dp)
+            except PlacementError as err:  # the cluster lost capacity mid-run: not a config error
+                good = checkpoint_store.latest(ckpt_root)
+                raise RunFailed(
+                    f"{err.message}; last good checkpoint: {good.path if good else 'none'}"
+                ) from None
+            if self.group.dp != dp_before:
+                timings["resized"] = (dp_before, self.group.dp)
+        return self._restore(ckpt_root, out, summary, timings), timings
+
+    def _restore(self, ckpt_root: Path, out: RunOutput, summary: dict, timings: dict) -> int:
+        """Load the latest checkpoint into the group (if any); returns its step."""
         ckpt = checkpoint_store.latest(ckpt_root)
         step = 0
-        if ckpt is not None:
+        if ckpt is None:
+            out.rewind(0)  # a failure before the first checkpoint: every step is trained again
+        else:
             mark = time.perf_counter()
             step = self.group.load(str(ckpt.path), ckpt.meta)
-            timings["restore_s"] = time.perf_counter() - mark
+            timings["restore_s"] = time.perf_counter() - mark + timings.get("restore_s", 0.0)
             out.rewind(step)
             written = ckpt.meta["topology"]
             log.info(
                 "resuming from %s (step %d, %d samples consumed%s)", ckpt.path, step, ckpt.meta["consumed_samples"],
-                "" if all(written[k] == getattr(self.cfg.topology, k) for k in ("dp", "pp", "tp"))
+                "" if all(written[k] == getattr(self.group.cfg.topology, k) for k in ("dp", "pp", "tp"))
                 else f"; written under dp{written['dp']}_pp{written['pp']}_tp{written['tp']}, resharded",
             )
             out.event({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
@@ -228,13 +265,14 @@ class Controller:
             params=first["model_params"],
             loss_floor=first["loss_floor"],
         )
-        return step, timings
+        return step
 
     def _train(self, shape, out: RunOutput, ckpt_root: Path, summary: dict, start: float) -> None:
         cfg = self.cfg
         every, steps = cfg.checkpoint.every, cfg.train.steps
         failures: list[int] = []
         recovery: dict | None = None
+        growth: dict | None = None
         last_progress = time.perf_counter()
         step = 0
         while True:
@@ -253,19 +291,31 @@ class Controller:
                     step = metrics["step"]
                     last_progress = time.perf_counter()
                     if recovery is not None:
+                        resized = timings.pop("resized", None)
                         recovery.update(timings, first_step_s=metrics["step_time_s"])
                         recovery["total_s"] = last_progress - recovery.pop("_failed_at") + recovery["detect_s"]
                         self._recovered(recovery, out, summary)
+                        if resized:
+                            self._resized(out, summary, step - 1, *resized, f"replica lost ({recovery['cause']})",
+                                          {**recovery, "resize_s": recovery["total_s"]})
                         recovery = None
+                    if growth is not None:
+                        growth.update(timings, first_step_s=metrics["step_time_s"])
+                        growth["resize_s"] = last_progress - growth.pop("_last_step_at")
+                        self._resized(out, summary, step - 1, growth.pop("from"), self.group.dp, growth.pop("cause"), growth)
+                        growth = None
                     out.step(metrics, time.perf_counter() - train_start)
                     if every and (step % every == 0 or step == steps):
                         saved = self.group.save(str(ckpt_root), cfg.checkpoint.keep, timeout_s=cfg.fault.step_timeout_s)
                         out.event({"event": "checkpoint", "step": step, "path": saved["path"],
                                    "save_s": round(saved["save_s"], 3)})
                         summary["last_checkpoint"] = saved["path"]
+                        if self.elastic and step < steps:
+                            growth, timings = self._grow(ckpt_root, out, summary, step, last_progress, saved["save_s"])
                 summary["train_s"] = round(time.perf_counter() - train_start, 3)
                 return
             except WorkerError as err:
+                growth = None
                 failed_at = time.perf_counter()
                 good = checkpoint_store.latest(ckpt_root)
                 where = f"last good checkpoint: {good.path} (step {good.step})" if good else "no checkpoint yet"
@@ -289,6 +339,36 @@ class Controller:
                     "restart %d/%d: replacing the failed workers and restarting from %s",
                     summary["restarts"], cfg.fault.max_restarts, good.path if good else "the beginning",
                 )
+
+    def _grow(self, ckpt_root: Path, out: RunOutput, summary: dict, step: int, last_step_at: float, save_s: float):
+        """At a checkpoint boundary (just saved): when more replicas are placed than in use and
+        a larger usable dp fits them, resize and restore the checkpoint. Returns (growth record,
+        timings) for the first step after, or (None, {})."""
+        group = self.group
+        spare = [slot for slot in group.placed_slots() if slot not in group.active]
+        new_dp = group.fit(group.dp + len(spare))
+        if new_dp <= group.dp:
+            return None, {}
+        old_dp = group.dp
+        cause = f"{len(spare)} more replica(s) placed"
+        log.warning("resize dp %d -> %d at step %d: %s; restarting from the checkpoint just written",
+                    old_dp, new_dp, step, cause)
+        timings = {"save_s": save_s}
+        group.resize(group.active + spare[: new_dp - old_dp], timings)
+        self._restore(ckpt_root, out, summary, timings)
+        return {"from": old_dp, "cause": cause, "_last_step_at": last_step_at}, timings
+
+    def _resized(self, out: RunOutput, summary: dict, step: int, old: int, new: int, cause: str, timing: dict) -> None:
+        keys = ("save_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s", "resize_s")
+        # `step`: the last step trained before the resize took effect (the checkpoint resumed from).
+        record = {"event": "resize", "step": step, "from_dp": old, "to_dp": new, "cause": cause,
+                  **{k: round(timing[k], 3) for k in keys if k in timing}}
+        summary["resizes"].append(record)
+        out.event(record)
+        log.warning(
+            "resized dp %d -> %d (%s): %.1fs from the last step before to the first step after", old, new, cause,
+            timing.get("resize_s", 0.0),
+        )
 
     def _recovered(self, recovery: dict, out: RunOutput, summary: dict) -> None:
         rounded = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in recovery.items()}

@@ -17,8 +17,8 @@ from tests.test_recovery import COMMON, in_background, losses, when_step
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the driver's node runs no rank
-    nodes = [c.add_node(num_cpus=2), c.add_node(num_cpus=2)]
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})  # no rank on the driver's node; no dashboard (it takes a core)
+    nodes = [c.add_node(num_cpus=2, include_dashboard=False), c.add_node(num_cpus=2, include_dashboard=False)]
     c.wait_for_nodes()
     ray.init(address=c.address)
     yield c, nodes

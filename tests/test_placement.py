@@ -41,8 +41,8 @@ def test_capacity_gpu_and_tp_wider_than_a_node():
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
-    cluster.add_node(num_cpus=4)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    cluster.add_node(num_cpus=4, include_dashboard=False)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     yield cluster

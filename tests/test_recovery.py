@@ -177,3 +177,20 @@ def test_failure_that_repeats_at_the_same_step_stops(tmp_path):
     assert "step 1 failed twice" in message and "rank 0" in message and "no checkpoint yet" in message
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["restarts"] == 1
+
+
+def test_failure_before_the_first_checkpoint_starts_over(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    overrides = ["+topology=dp2", *COMMON, "train.steps=6", "checkpoint.every=0"]
+    thread, result = in_background(overrides, run_dir)
+    when_step(run_dir, 2)
+    signal_rank(run_dir, 1, signal.SIGKILL)
+    thread.join(timeout=300)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    (recovery,) = summary["recoveries"]
+    assert recovery["resume_step"] == 0 and summary["status"] == "completed"
+    # The steps trained before the failure were dropped from metrics.jsonl and trained again.
+    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert losses(run_dir) == pytest.approx(reference[:6], rel=1e-5)

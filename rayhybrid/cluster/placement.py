@@ -7,11 +7,10 @@ a replica's stages close together.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 from rayhybrid.errors import PlacementError
 
@@ -82,23 +81,14 @@ def check_capacity(shape: ReplicaShape, dp: int, nodes: list[dict] | None = None
         )
 
 
-def reserve_replicas(shape: ReplicaShape, dp: int, timeout_s: float, name: str = "rayhybrid") -> list[PlacementGroup]:
-    """Create `dp` replica placement groups and wait (at most `timeout_s`) until all are placed."""
-    groups = [
-        placement_group(shape.bundles(), strategy="PACK", name=f"{name}-replica{i}") for i in range(dp)
-    ]
-    start = time.monotonic()
-    ready, pending = ray.wait([pg.ready() for pg in groups], num_returns=dp, timeout=timeout_s)
-    if pending:
-        for pg in groups:
-            remove_placement_group(pg)
-        raise PlacementError(
-            "cluster.placement_timeout_s",
-            f"only {len(ready)} of {dp} replicas could be placed within {timeout_s:g}s "
-            "(the cluster is busy or short of resources); free resources or raise cluster.placement_timeout_s",
-        )
-    log.debug("placed %d replica groups in %.2fs", dp, time.monotonic() - start)
-    return groups
+def create_replicas(shape: ReplicaShape, count: int, name: str = "rayhybrid") -> list[PlacementGroup]:
+    """Ask for `count` replica placement groups; they are placed as resources allow."""
+    return [placement_group(shape.bundles(), strategy="PACK", name=f"{name}-replica{i}") for i in range(count)]
+
+
+def placement_state(pg: PlacementGroup) -> str:
+    """PENDING, CREATED, RESCHEDULING (a node of it died) or REMOVED."""
+    return placement_group_table(pg).get("state", "")
 
 
 def release(groups: list[PlacementGroup]) -> None:

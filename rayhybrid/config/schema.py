@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 """Pipeline schedules, by config name. `interleaved_zb` and `zbv` are zero-bubble schedules."""
@@ -130,6 +130,23 @@ class FaultConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    enabled: bool = False
+    """Vary the number of data-parallel replicas (pp x tp each) with what the cluster can place."""
+    min_dp: int = 1
+    """Start as soon as this many replicas are placed; never continue with fewer."""
+    max_dp: int = 0
+    """Ask the cluster for this many replicas (pending ones show the autoscaler the demand);
+    0: topology.dp."""
+    reschedule_timeout_s: float = 10.0
+    """After a failure, how long a replica that lost its node may take to be placed again
+    before the run shrinks without it."""
+
+    def dp_range(self, topology_dp: int) -> tuple[int, int]:
+        return self.min_dp, self.max_dp or topology_dp
+
+
+@dataclass(frozen=True)
 class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -138,6 +155,12 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     seed: int = 0
     run_dir: str = ""
     """Where outputs go; set from Hydra's run dir (hydra.run.dir=...)."""
+
+
+def with_dp(cfg: Config, dp: int) -> Config:
+    """`cfg` with `topology.dp` set to `dp` (an elastic run's current size)."""
+    return replace(cfg, topology=replace(cfg.topology, dp=dp))

@@ -23,6 +23,7 @@ def _positive(cfg: Config) -> None:
         "train": ("steps", "global_batch_size", "micro_batch_size", "log_every"),
         "cluster": ("cpus_per_rank", "torch_threads", "placement_timeout_s"),
         "fault": ("step_timeout_s",),
+        "elastic": ("min_dp", "reschedule_timeout_s"),
     }
     for section, names in sections.items():
         for name in names:
@@ -31,7 +32,8 @@ def _positive(cfg: Config) -> None:
                 raise ConfigError(f"{section}.{name}", f"must be positive, got {value}; set {section}.{name}=1 or more")
     for section, name in (("train", "lr"), ("train", "min_lr"), ("train", "warmup_steps"),
                           ("train", "weight_decay"), ("train", "grad_clip"), ("cluster", "num_cpus"),
-                          ("checkpoint", "every"), ("checkpoint", "keep"), ("fault", "max_restarts")):
+                          ("checkpoint", "every"), ("checkpoint", "keep"), ("fault", "max_restarts"),
+                          ("elastic", "max_dp")):
         value = getattr(getattr(cfg, section), name)
         if value < 0:
             raise ConfigError(f"{section}.{name}", f"must not be negative, got {value}")
@@ -83,19 +85,10 @@ def validate(cfg: Config) -> None:
             f"every stage needs a layer: lower topology.pp/topology.stages_per_rank or raise model.n_layers",
         )
 
-    per_replica, rem = divmod(tr.global_batch_size, t.dp * tr.micro_batch_size)
-    if rem or per_replica == 0:
-        raise ConfigError(
-            "train.global_batch_size",
-            f"{tr.global_batch_size} is not divisible by dp x micro_batch_size = {t.dp} x {tr.micro_batch_size}; "
-            f"use a multiple of {t.dp * tr.micro_batch_size}",
-        )
-    if t.pp > 1 and t.schedule == "1f1b" and per_replica < t.pp:
-        raise ConfigError(
-            "train.global_batch_size",
-            f"1f1b needs at least pp={t.pp} micro-batches per replica but has {per_replica}; "
-            f"raise train.global_batch_size to {t.pp * t.dp * tr.micro_batch_size} or lower train.micro_batch_size",
-        )
+    if cfg.elastic.enabled:
+        _elastic(cfg)
+    else:
+        _batch_split(cfg, t.dp)
 
     if d.name == "text" and m.vocab_size < 256:
         raise ConfigError("model.vocab_size", f"text data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}")
@@ -106,3 +99,54 @@ def validate(cfg: Config) -> None:
             raise ConfigError("data.path", f"token file {d.path!r} does not exist")
         if d.name == "text" and not d.text_files():
             raise ConfigError("data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob")
+
+
+def _batch_split(cfg: Config, dp: int) -> None:
+    """The global batch splits into whole micro-batches over `dp` replicas (enough of them for
+    a 1F1B pipeline)."""
+    t, tr = cfg.topology, cfg.train
+    per_replica, rem = divmod(tr.global_batch_size, dp * tr.micro_batch_size)
+    if rem or per_replica == 0:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{tr.global_batch_size} is not divisible by dp x micro_batch_size = {dp} x {tr.micro_batch_size}; "
+            f"use a multiple of {dp * tr.micro_batch_size}",
+        )
+    if t.pp > 1 and t.schedule == "1f1b" and per_replica < t.pp:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"1f1b needs at least pp={t.pp} micro-batches per replica but has {per_replica}; "
+            f"raise train.global_batch_size to {t.pp * dp * tr.micro_batch_size} or lower train.micro_batch_size",
+        )
+
+
+def usable_dps(cfg: Config, low: int = 1, high: int | None = None) -> list[int]:
+    """The data-parallel sizes in [low, high] (default: the elastic range) that split the
+    global batch into whole micro-batches."""
+    if high is None:
+        low, high = cfg.elastic.dp_range(cfg.topology.dp)
+    usable = []
+    for dp in range(low, high + 1):
+        try:
+            _batch_split(cfg, dp)
+        except ConfigError:
+            continue
+        usable.append(dp)
+    return usable
+
+
+def _elastic(cfg: Config) -> None:
+    low, high = cfg.elastic.dp_range(cfg.topology.dp)
+    if high < low:
+        raise ConfigError(
+            "elastic.max_dp", f"{high} is below elastic.min_dp={low}; raise elastic.max_dp or lower elastic.min_dp"
+        )
+    if not usable_dps(cfg):
+        anywhere = usable_dps(cfg, 1, max(high, 64))
+        tr = cfg.train
+        raise ConfigError(
+            "elastic.min_dp",
+            f"no dp in [{low}, {high}] splits train.global_batch_size={tr.global_batch_size} into micro-batches of "
+            f"{tr.micro_batch_size}; valid dp values: {', '.join(map(str, anywhere)) or 'none'}; "
+            "change elastic.min_dp/max_dp or train.global_batch_size",
+        )

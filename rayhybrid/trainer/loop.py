@@ -182,6 +182,7 @@ class Trainer:
             "dp": t.dp,
             "pp": t.pp,
             "tp": t.tp,
+            "samples_read": self.samples_read,  # [first sample index, count] this rank read
         }
 
     def forward_backward(self) -> torch.Tensor:
@@ -191,8 +192,10 @@ class Trainer:
         # This replica's share of the global batch: samples [start, start + G/dp).
         shard = replica_shard(self.consumed_samples, self.cfg.train.global_batch_size, t.dp, self.coord.dp)
         inputs, targets = None, None
+        self.samples_read = None
         if self.has_first or self.has_last:
             inputs, targets = self.stream.batch(shard.start, shard.count)
+            self.samples_read = [shard.start, shard.count]
             inputs, targets = inputs.to(self.device), targets.to(self.device)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
