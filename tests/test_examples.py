@@ -26,3 +26,27 @@ def test_train_on_text_example(tmp_path):
     assert summary["topology"]["pp"] == 2 and summary["topology"]["tp"] == 2
     assert summary["final_loss"] < summary["initial_loss"]
     assert "completed: loss" in proc.stdout
+
+
+def test_elastic_cluster_launcher_config_matches_its_command():
+    import shlex
+
+    import yaml
+
+    from rayhybrid.config.compose import compose, to_config
+    from rayhybrid.config.validate import usable_dps, validate
+
+    path = REPO / "examples" / "elastic_cluster.yaml"
+    text = path.read_text()
+    config = yaml.safe_load(text)
+    worker = config["available_node_types"]["gpu_worker"]
+    assert config["provider"]["type"] == "aws" and config["head_node_type"] == "head"
+    assert worker["min_workers"] < worker["max_workers"] == config["max_workers"]
+    # The job command in the header composes and validates, and its dp range fits the workers.
+    (command,) = [line for line in text.splitlines() if "python -m rayhybrid" in line]
+    args = shlex.split(command.strip("# \""))[3:]
+    cfg = to_config(compose(args))
+    validate(cfg)
+    assert cfg.elastic.enabled and cfg.elastic.max_dp == worker["max_workers"]
+    assert usable_dps(cfg) == [1, 2, 4]
+    assert cfg.topology.pp * cfg.topology.tp == 8  # one replica per 8-GPU node
