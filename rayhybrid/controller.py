@@ -258,6 +258,11 @@ class Controller:
         workers = [{**p, "pid": info.pid} for p, info in zip(self.group.placement(), self.group.infos)]
         (out.dir / "workers.json").write_text(json.dumps(workers, indent=1) + "\n")
         first = self.group.descriptions[0]
+        t = self.group.cfg.topology  # an elastic run's current dp
+        summary["topology"].update(
+            dp=t.dp, world_size=t.dp * t.pp * t.tp,
+            num_microbatches=self.cfg.train.global_batch_size // (t.dp * self.cfg.train.micro_batch_size),
+        )
         summary.update(
             placement=self.group.placement(),
             backend=first["backend"],

@@ -17,6 +17,7 @@ from rayhybrid.config.compose import compose, to_config
 from rayhybrid.config.validate import usable_dps, validate
 from rayhybrid.controller import RunFailed
 from rayhybrid.errors import ConfigError
+from tests.clusters import add_node, local_cluster
 from tests.test_recovery import in_background, losses, when_step
 
 # A replica is pp2 x tp1: two ranks, one node of 2 CPUs. G=12 splits for dp 1, 2 and 3.
@@ -43,14 +44,8 @@ def wait_for(predicate, timeout: float = 300.0) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})  # no rank on the driver's node; no dashboard (it takes a core)
-    for _ in range(3):
-        c.add_node(num_cpus=2, include_dashboard=False)
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with local_cluster(head_cpus=0, node_cpus=[2, 2, 2]) as (c, _):
+        yield c
 
 
 def node_of(run_dir: Path, dp: int, cluster: Cluster):
@@ -71,11 +66,12 @@ def test_shrinks_when_a_node_goes_and_grows_when_one_comes_back(cluster, tmp_pat
     wait_for(lambda: any(r.get("dp") == 3 for r in records(run_dir) if "event" not in r))
     cluster.remove_node(node_of(run_dir, 1, cluster))
     wait_for(lambda: [e for e in events(run_dir, "resize") if e["to_dp"] == 2])  # shrunk without waiting
-    cluster.add_node(num_cpus=2, include_dashboard=False)
+    add_node(cluster, 2)
     thread.join(timeout=600)
     summary = result.get("summary")
     assert summary is not None, result.get("error")
     assert summary["status"] == "completed" and summary["steps"] == steps
+    assert summary["topology"]["dp"] == 3 and summary["topology"]["num_microbatches"] == 2  # as it ended
 
     *_, shrink, grow = summary["resizes"]
     assert (shrink["from_dp"], shrink["to_dp"]) == (3, 2) and "replica lost" in shrink["cause"]
@@ -114,7 +110,7 @@ def test_fixed_dp_run_fails_clearly_when_a_node_is_gone_for_good(cluster, tmp_pa
     assert isinstance(err, RunFailed), result
     assert "could not be placed again" in str(err) and "last good checkpoint" in str(err)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
-    cluster.add_node(num_cpus=2, include_dashboard=False)
+    add_node(cluster, 2)
 
 
 def _cfg(*overrides: str):

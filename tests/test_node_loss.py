@@ -8,22 +8,16 @@ import json
 import time
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 import rayhybrid
+from tests.clusters import local_cluster
 from tests.test_recovery import COMMON, in_background, losses, when_step
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})  # no rank on the driver's node; no dashboard (it takes a core)
-    nodes = [c.add_node(num_cpus=2, include_dashboard=False), c.add_node(num_cpus=2, include_dashboard=False)]
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    with local_cluster(head_cpus=0, node_cpus=[2, 2]) as (c, nodes):
+        yield c, nodes
 
 
 def test_node_removed_mid_run(cluster, tmp_path):

@@ -7,11 +7,11 @@ from collections import defaultdict
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 import rayhybrid
 from rayhybrid.cluster.placement import ReplicaShape, check_capacity
 from rayhybrid.errors import PlacementError
+from tests.clusters import local_cluster
 
 
 def fake_nodes(*cpus: int, gpus: int = 0) -> list[dict]:
@@ -41,13 +41,8 @@ def test_capacity_gpu_and_tp_wider_than_a_node():
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
-    cluster.add_node(num_cpus=4, include_dashboard=False)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with local_cluster(head_cpus=4, node_cpus=[4]) as (cluster, _):
+        yield cluster
 
 
 def test_dp2_pp2_tp2_on_two_nodes(two_nodes, tmp_path):

@@ -1,0 +1,32 @@
+"""Multi-node tests on one machine: a `ray.cluster_utils.Cluster` of several raylets.
+
+    with local_cluster(head_cpus=0, node_cpus=[2, 2, 2]) as (cluster, nodes):
+        ...   # ray is initialised against it; nodes can be removed and added
+
+No dashboard anywhere: its agent takes a whole core of this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import ray
+from ray.cluster_utils import Cluster
+
+
+def add_node(cluster: Cluster, num_cpus: int):
+    return cluster.add_node(num_cpus=num_cpus, include_dashboard=False)
+
+
+@contextlib.contextmanager
+def local_cluster(head_cpus: int, node_cpus: list[int]):
+    """`head_cpus=0` keeps ranks off the driver's node, so removing any other node is safe."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+    nodes = [add_node(cluster, cpus) for cpus in node_cpus]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
