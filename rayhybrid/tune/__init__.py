@@ -1,0 +1,1 @@
+"""Batch-size and memory search (`python -m rayhybrid.tune`): see `search.py`."""
