@@ -112,7 +112,8 @@ def test_out_of_memory_without_figures():
 def test_linear_model_is_exact_on_two_points_and_predicts_the_bound():
     from rayhybrid.tune.search import Trial
 
-    model = LinearMemoryModel.fit([Trial(1, {"a": 150.0, "b": 320.0}, False), Trial(3, {"a": 250.0, "b": 360.0}, False)])
+    trials = [Trial(1, {"a": 150.0, "b": 320.0}, False), Trial(3, {"a": 250.0, "b": 360.0}, False)]
+    model = LinearMemoryModel.fit(trials)
     assert model.fixed == pytest.approx({"a": 100.0, "b": 300.0})
     assert model.per_sample == pytest.approx({"a": 50.0, "b": 20.0})
     assert model.largest_under(1000.0, cap=1000) == 18  # a: 100 + 50*18 = 1000
