@@ -8,6 +8,7 @@ a failing config names itself in the error.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -40,14 +41,16 @@ def stages_per_rank(schedule: str) -> int:
     return 1 if schedule in ("gpipe", "1f1b") else 2
 
 
-def topo(dp: int = 1, pp: int = 1, tp: int = 1, schedule: str = "1f1b", dp_shard: bool = False, **extra) -> Config:
+def topo(
+    dp: int = 1, pp: int = 1, tp: int = 1, schedule: str = "1f1b", dp_shard: bool = False, ac: bool = False, **extra
+) -> Config:
     return Config(
         topology=TopologyConfig(
             dp=dp, pp=pp, tp=tp, schedule=schedule, stages_per_rank=stages_per_rank(schedule), dp_shard=dp_shard, **extra
         ),
         model=BASE.model,
         data=BASE.data,
-        train=BASE.train,
+        train=dataclasses.replace(BASE.train, activation_checkpointing=ac),
         seed=BASE.seed,
     )
 
@@ -59,6 +62,10 @@ WORLD2 = {
     # Vocabulary-sharded logits into the loss (by default only for large vocabularies).
     "tp2_loss_parallel": topo(tp=2, loss_parallel="true"),
     **{f"pp2_{s}": topo(pp=2, schedule=s) for s in SCHEDULES},
+    # train.activation_checkpointing: blocks recompute their forward in backward.
+    "tp2_ac": topo(tp=2, ac=True),
+    "pp2_1f1b_ac": topo(pp=2, ac=True),
+    "dp2_shard_ac": topo(dp=2, dp_shard=True, ac=True),
 }
 WORLD8 = {
     f"dp2_pp2_tp2_{s}{'_shard' if shard else ''}": topo(dp=2, pp=2, tp=2, schedule=s, dp_shard=shard)
@@ -66,12 +73,50 @@ WORLD8 = {
     for shard in (False, True)
 }
 WORLD8["dp2_pp2_tp2_1f1b_loss_parallel"] = topo(dp=2, pp=2, tp=2, loss_parallel="true")
+WORLD8["dp2_pp2_tp2_interleaved_1f1b_ac"] = topo(dp=2, pp=2, tp=2, schedule="interleaved_1f1b", ac=True)
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[dict]:
-    (ranks,) = run_configs(train_many, {"dp1_pp1_tp1": topo()}, STEPS)
-    return ranks["dp1_pp1_tp1"]
+def world1_runs() -> dict[str, list[dict]]:
+    (ranks,) = run_configs(train_many, {"dp1_pp1_tp1": topo(), "dp1_ac": topo(ac=True)}, STEPS)
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def reference(world1_runs) -> list[dict]:
+    return world1_runs["dp1_pp1_tp1"]
+
+
+def test_activation_checkpointing_parity_on_one_rank(world1_runs, reference):
+    check_parity([world1_runs], "dp1_ac", topo(ac=True), reference)
+
+
+def test_activation_checkpointing_saves_fewer_activations():
+    """With train.activation_checkpointing a block keeps only its input for backward."""
+    import torch
+
+    from rayhybrid.models.gpt.model import GPT
+
+    def saved_bytes(checkpointing: bool) -> int:
+        torch.manual_seed(0)
+        model = GPT(BASE.model, max_seq_len=BASE.data.seq_len)
+        for block in model.layers.values():
+            block.checkpoint_activations = checkpointing
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        tokens = torch.randint(0, BASE.model.vocab_size, (2, BASE.data.seq_len))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens).sum()  # what the forward keeps for backward
+        loss.backward()
+        return total
+
+    plain, checkpointed = saved_bytes(False), saved_bytes(True)
+    assert checkpointed < 0.5 * plain, (plain, checkpointed)
 
 
 @pytest.fixture(scope="module")
