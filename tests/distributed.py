@@ -254,3 +254,30 @@ def resume_many(rank: int, cfgs: dict, root: str, steps: int) -> dict[str, dict]
             raise RuntimeError(f"config {label!r} failed on rank {rank}") from exc
         del tr
     return out
+
+
+def forward_memory(rank: int, cfgs: dict) -> dict[str, dict]:
+    """For each labelled config (metrics.memory on): two training steps (so optimizer state
+    exists), then one forward of the whole replica batch as one micro-batch, measured by the
+    trainer's memory meter; {label: {"live_before", "live_after", "categories" (bytes at the
+    end of the forward), "losses" (of the two steps)}}."""
+    from rayhybrid.trainer.loop import Trainer
+    from rayhybrid.trainer.memory import _by_category
+
+    out = {}
+    for label, cfg in cfgs.items():
+        tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+        losses = [tr.train_step()["loss"] for _ in range(2)]
+        (_, model), = tr.stages
+        x, y = tr.stream.batch(0, cfg.train.micro_batch_size)
+        tracker = tr.memory.tracker
+        with tr.memory.step():
+            tr.memory.phase(0, "forward")
+            before = tracker.live_bytes()
+            loss = tr.loss_fn(model(x), y)
+            after = tracker.live_bytes()
+            categories = _by_category(tracker._curr_mem_snap)
+            loss.backward()
+        out[label] = {"live_before": before, "live_after": after, "categories": categories, "losses": losses}
+        del tr, loss
+    return out

@@ -147,6 +147,38 @@ class ElasticConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    memory: bool = False
+    """Measure peak memory per pipeline stage and phase (forward, backward, optimizer) every
+    step: the CUDA allocator's peaks, or on CPU an exact count of tensor bytes (slower: every
+    operator is seen by a dispatch mode). See rayhybrid/trainer/memory.py."""
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """`python -m rayhybrid.tune`: find the largest micro-batch that fits, then the fastest
+    configuration under it (see rayhybrid/tune/)."""
+
+    memory_budget_mb: float = 0.0
+    """Memory each rank may use. 0: the GPU's capacity; required on CPU, where the run plays a
+    device of this size (a trial over it counts as out of memory)."""
+    margin: float = 0.01
+    """Safety margin under the budget for the predicted micro-batch (0.01 = 1%)."""
+    probes: tuple[int, int] = (1, 2)
+    """The two micro-batch sizes measured first; memory is fitted as fixed + per sample."""
+    steps: int = 3
+    """Optimizer steps per trial; memory is read after the first (once optimizer state exists),
+    throughput over the steps after the first."""
+    num_microbatches: int = 0
+    """Micro-batches per step while searching memory; 0: pp (the fewest a pipeline fills with)."""
+    activation_checkpointing: tuple[bool, ...] = (False, True)
+    """Settings of train.activation_checkpointing to search and time."""
+    max_micro_batch: int = 4096
+    step_timeout_s: float = 300.0
+    """A trial step that makes no progress for this long fails the trial."""
+
+
+@dataclass(frozen=True)
 class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -156,6 +188,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
     seed: int = 0
     run_dir: str = ""
     """Where outputs go; set from Hydra's run dir (hydra.run.dir=...)."""

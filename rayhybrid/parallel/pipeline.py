@@ -40,16 +40,20 @@ def build_schedule(
     group: torch.distributed.ProcessGroup,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    instrument: Callable[[PipelineStage], None] | None = None,
 ):
     """Wrap each (stage index, module) in a PipelineStage and build the named schedule.
 
     Gradients are not rescaled by the schedule (`scale_grads=False`): the loss function is
     already normalised by the replica's token count, so micro-batch gradients add up to the
-    gradient of the replica's mean loss.
+    gradient of the replica's mean loss. `instrument` is called with each `PipelineStage` (the
+    memory meter labels its forward and backward chunks).
     """
     pipeline_stages = [
         PipelineStage(module, index, num_stages, device, group=group) for index, module in stages
     ]
+    for stage in pipeline_stages if instrument is not None else ():
+        instrument(stage)
     cls = SCHEDULE_CLASSES[schedule]
     if schedule in SINGLE_STAGE:
         (stage,) = pipeline_stages

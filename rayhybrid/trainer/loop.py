@@ -25,6 +25,7 @@ from rayhybrid.parallel.mesh import build_mesh
 from rayhybrid.parallel.pipeline import build_schedule, stage_style
 from rayhybrid.topology import Topology, num_microbatches, split_layers, stage_ids
 from rayhybrid.trainer.data import build_stream, replica_shard
+from rayhybrid.trainer.memory import MemoryMeter
 from rayhybrid.trainer.optim import build_optimizer, lr_at, set_lr
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,12 @@ class Trainer:
                 group=self.mesh["pp"].get_group(),
                 n_microbatches=self.n_microbatches,
                 loss_fn=self.loss_fn,
+                instrument=self._instrument if cfg.metrics.memory else None,
             )
+        self.memory = None
+        if cfg.metrics.memory:
+            budget = cfg.tune.memory_budget_mb if device.type == "cpu" else 0.0
+            self.memory = MemoryMeter(device, [m for _, m in self.stages], self.optimizers, budget_mb=budget)
         self.step = 0
         self.consumed_samples = 0
         self.stage_layers = {i: list(ranges[i]) for i in owned}
@@ -153,18 +159,38 @@ class Trainer:
             stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
         return stack
 
+    def _instrument(self, stage) -> None:
+        """Label a pipeline stage's forward and backward chunks for the memory meter."""
+        for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                              ("backward_weight_one_chunk", "backward")):
+            setattr(stage, method, self._labelled(getattr(stage, method), stage.stage_index, phase))
+
+    def _labelled(self, fn, stage: int, phase: str):
+        def run(*args, **kwargs):
+            self._phase(stage, phase)
+            return fn(*args, **kwargs)
+
+        return run
+
+    def _phase(self, stage: int, phase: str) -> None:
+        if self.memory is not None:
+            self.memory.phase(stage, phase)
+
     def train_step(self) -> dict[str, float]:
-        """One optimizer step over the global batch; returns metrics (same on every rank)."""
+        """One optimizer step over the global batch; returns metrics (same on every rank, but
+        `samples_read` and `peak_mb`, which are this rank's)."""
         cfg, t = self.cfg, self.cfg.topology
         start = time.perf_counter()
         lr = lr_at(self.step, cfg.train)
         for opt in self.optimizers:
             set_lr(opt, lr)
 
-        loss = self.forward_backward()
-        grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
-        for opt in self.optimizers:
-            opt.step()
+        with self.memory.step() if self.memory is not None else contextlib.nullcontext():
+            loss = self.forward_backward()
+            self._phase(self.stages[0][0], "optimizer")
+            grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
+            for opt in self.optimizers:
+                opt.step()
 
         loss = self._global_loss(loss)
         self.step += 1
@@ -183,6 +209,7 @@ class Trainer:
             "pp": t.pp,
             "tp": t.tp,
             "samples_read": self.samples_read,  # [first sample index, count] this rank read
+            **({"peak_mb": self.memory.peaks_mb()} if self.memory is not None else {}),
         }
 
     def forward_backward(self) -> torch.Tensor:
@@ -191,14 +218,16 @@ class Trainer:
         t = self.cfg.topology
         # This replica's share of the global batch: samples [start, start + G/dp).
         shard = replica_shard(self.consumed_samples, self.cfg.train.global_batch_size, t.dp, self.coord.dp)
+        # Last step's gradients go before the forward starts (and so do not count toward it).
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self._phase(self.stages[0][0], "forward")
         inputs, targets = None, None
         self.samples_read = None
         if self.has_first or self.has_last:
             inputs, targets = self.stream.batch(shard.start, shard.count)
             self.samples_read = [shard.start, shard.count]
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
         with self._step_context():
             if self.schedule is None:
                 return self._forward_backward(inputs, targets)
@@ -216,7 +245,9 @@ class Trainer:
         for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(i == n - 1)
+            self._phase(0, "forward")
             loss = self.loss_fn(model(x), y)
+            self._phase(0, "backward")
             loss.backward()
             total += _local(loss.detach())
         return total
