@@ -9,7 +9,9 @@ import statistics
 
 import pytest
 
-from rayhybrid.tune.search import PEAK_PREFIX, LinearMemoryModel, MemorySearcher, MicroBatchSearch
+from rayhybrid.tune.plan import TunePlan
+from rayhybrid.tune.search import PEAK_PREFIX, LinearMemoryModel, MicroBatchSearch
+from rayhybrid.tune.searcher import PlanSearcher
 
 
 class Oracle:
@@ -120,19 +122,74 @@ def test_linear_model_is_exact_on_two_points_and_predicts_the_bound():
     assert model.largest_under(120.0, cap=1000) == 0
 
 
-def test_searcher_drives_one_trial_at_a_time_and_counts_a_crash_as_oom():
+def result(oracle: Oracle, point: dict, speed=lambda p: 0.0) -> dict:
+    """A trial's report from the oracle: `oom`, `tokens_per_s`, `peak_mb/<key>`. The oracle's
+    memory does not depend on the number of micro-batches (1F1B past the pipeline fill)."""
+    peaks, oom = oracle.run(point["micro_batch_size"])
+    return {"oom": int(oom), "tokens_per_s": 0.0 if oom else speed(point), **{PEAK_PREFIX + k: v for k, v in peaks.items()}}
+
+
+def test_plan_finds_the_largest_micro_batch_then_the_fastest_point_that_fits():
+    oracle = Oracle(random.Random(3), budget_mb=40_000, pp=4)
+    truth = oracle.true_max()
+
+    def speed(p):  # bigger pieces and more of them run faster; checkpointing costs a third
+        return p["micro_batch_size"] ** 0.5 * p["num_microbatches"] ** 0.2 * (0.67 if p["activation_checkpointing"] else 1)
+
+    plan = TunePlan(oracle.budget_mb, n0=4, activation_checkpointing=(False,))
+    points = []
+    while (point := plan.next()) is not None:
+        points.append(point)
+        plan.observe(point, result(oracle, point, speed))
+    memory = [p for p in points if p["purpose"] == "memory"]
+    assert plan.largest_micro_batch(False) == truth and len(memory) <= 4
+    assert all(p["num_microbatches"] == 4 for p in memory)
+    # The frontier: the largest size at 4 micro-batches (already measured), at 8, and half at 8.
+    throughput = {(p["micro_batch_size"], p["num_microbatches"]) for p in points if p["purpose"] == "throughput"}
+    assert throughput == {(truth, 8), (truth // 2, 8)}
+    assert plan.best.point.micro_batch_size == truth and plan.best.point.num_microbatches == 8
+    # Every memory trial after the probes has a prediction, close to what it measured.
+    for record in plan.records[2:]:
+        if record.purpose == "memory" and record.peaks_mb:
+            assert abs(record.predicted_peak_mb - record.peak_mb) <= 0.05 * record.peak_mb
+
+
+def test_plan_with_activation_checkpointing_and_an_out_of_memory_frontier_point():
+    oracle = Oracle(random.Random(5), budget_mb=16_000, pp=2)
+    plan = TunePlan(oracle.budget_mb, n0=2, activation_checkpointing=(False, True))
+    seen = []
+    while (point := plan.next()) is not None:
+        seen.append(point)
+        out = result(oracle, point, lambda p: float(p["micro_batch_size"]))
+        if point["purpose"] == "throughput" and point["num_microbatches"] == 4 and not point["activation_checkpointing"]:
+            out = {"oom": 1, "tokens_per_s": 0.0}  # more micro-batches did not fit after all
+        plan.observe(point, out)
+    assert {p["activation_checkpointing"] for p in seen if p["purpose"] == "memory"} == {False, True}
+    assert any(r.oom and r.purpose == "throughput" for r in plan.records)
+    assert plan.best is not None and plan.best.fits(oracle.budget_mb) and not plan.best.oom
+    with pytest.raises(ValueError, match="expected a result"):
+        plan.observe({"micro_batch_size": 99, "num_microbatches": 2, "activation_checkpointing": False,
+                      "purpose": "memory"}, {})
+
+
+def test_searcher_drives_one_trial_at_a_time_and_counts_a_crash_as_not_fitting():
     oracle = Oracle(random.Random(7), budget_mb=10_000, pp=2)
-    searcher = MemorySearcher(MicroBatchSearch(oracle.budget_mb), base_config={"steps": 3})
+    searcher = PlanSearcher(TunePlan(oracle.budget_mb, n0=2, activation_checkpointing=(False,)), base_config={"x": 3})
     first = searcher.suggest("t1")
-    assert first == {"steps": 3, "micro_batch_size": 1}
+    assert first == {"x": 3, "micro_batch_size": 1, "num_microbatches": 2, "activation_checkpointing": False,
+                     "purpose": "memory"}
     assert searcher.suggest("t2") is None  # waits for t1's result
-    peaks, oom = oracle.run(1)
-    searcher.on_trial_complete("t1", {"oom": int(oom), **{PEAK_PREFIX + k: v for k, v in peaks.items()}})
+    searcher.on_trial_complete("t1", result(oracle, first))
     second = searcher.suggest("t2")
     assert second["micro_batch_size"] == 2
     searcher.on_trial_complete("t2", None, error=True)  # the trial crashed
-    assert searcher.search.best == 1
-    assert searcher.suggest("t3") == MemorySearcher.FINISHED
+    assert searcher.plan.largest_micro_batch(False) == 1
+    assert searcher.plan.records[-1].error == "the trial crashed"
+    # Then the frontier at 1 x 4 micro-batches, then done.
+    third = searcher.suggest("t3")
+    assert (third["micro_batch_size"], third["num_microbatches"], third["purpose"]) == (1, 4, "throughput")
+    searcher.on_trial_complete("t3", result(oracle, third, lambda p: 1.0))
+    assert searcher.suggest("t4") == PlanSearcher.FINISHED
 
 
 def test_searcher_in_a_ray_tune_run(tmp_path):
@@ -147,9 +204,11 @@ def test_searcher_in_a_ray_tune_run(tmp_path):
 
     def trial(config):
         peaks, oom = table[config["micro_batch_size"]]
-        tune.report({"oom": int(oom), **{prefix + k: v for k, v in peaks.items()}})
+        speed = config["micro_batch_size"] * config["num_microbatches"]
+        tune.report({"oom": int(oom), "tokens_per_s": 0.0 if oom else float(speed),
+                     **{prefix + k: v for k, v in peaks.items()}})
 
-    searcher = MemorySearcher(MicroBatchSearch(oracle.budget_mb))
+    searcher = PlanSearcher(TunePlan(oracle.budget_mb, n0=4, activation_checkpointing=(False,)))
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         tuner = tune.Tuner(
@@ -161,5 +220,30 @@ def test_searcher_in_a_ray_tune_run(tmp_path):
     finally:
         ray.shutdown()
     sizes = [r.config["micro_batch_size"] for r in results]
-    assert len(sizes) == len(searcher.search.trials) <= 4  # the search ended the run, not num_samples
-    assert searcher.search.best == truth
+    assert len(sizes) == len(searcher.plan.records) <= 6  # the plan ended the run, not num_samples
+    assert searcher.plan.largest_micro_batch(False) == truth
+    assert (searcher.plan.best.point.micro_batch_size, searcher.plan.best.point.num_microbatches) == (truth, 8)
+
+
+def test_a_fixed_level_that_hides_growth_at_the_probes_is_approached_not_jumped_over():
+    """Peaks measured on an H200 (GPT-3 350M, seq 1024, float32, activation checkpointing, one
+    rank): below about 3 samples every phase's peak is a fixed level (the optimizer step's, and
+    the backward's end with all gradients), so the probes at 1 and 2 see almost no growth and a
+    straight extrapolation lands 150x too far. The search measures at most RAMP x the largest
+    size so far, refits on the two largest sizes, and ends on the exact answer."""
+    from rayhybrid.tune.search import RAMP
+
+    def peaks(m):  # the figures seen there, as lines: forward, backward (1 and 2 measured flat)
+        return {"stage0/forward": max(6261.5, 4700.0 + 498.0 * m), "stage0/backward": max(6265.5, 4712.0 + 693.5 * m),
+                "stage0/optimizer": 7810.5}
+
+    device_mb, budget = 139_000.0, 24_000.0
+    s = MicroBatchSearch(budget)
+    while (m := s.next()) is not None:
+        p = peaks(m)
+        oom = max(p.values()) > device_mb
+        s.observe(m, {} if oom else p, oom)
+    truth = max(m for m in range(1, 1000) if max(peaks(m).values()) <= budget)
+    sizes = [t.micro_batch_size for t in s.trials]
+    assert s.best == truth == 27
+    assert sizes[2] == RAMP * 2 and len(sizes) <= 5 and not any(t.oom for t in s.trials)

@@ -14,7 +14,7 @@ micro-batches that is still linear in the micro-batch size). So:
    measured peaks leave room for one more sample (the margin cost a size), try that one.
 
 `MicroBatchSearch` is that procedure, free of Ray so it can be tested against synthetic memory
-oracles; `MemorySearcher` drives it from a Ray Tune search.
+oracles; `PlanSearcher` (searcher.py) drives a whole `TunePlan` (plan.py) from a Ray Tune search.
 
     search = MicroBatchSearch(budget_mb=16_000)
     while (m := search.next()) is not None:
@@ -136,16 +136,39 @@ class MicroBatchSearch:
         hi = min((m for m in missed if m > lo), default=None)
         if len(self.trials) == 1:
             return self.probes[1] if fitted else None  # the smallest probe does not fit: stop
-        if self.model is None and len({t.micro_batch_size for t in self.trials if t.peaks_mb}) >= 2:
-            self.model = LinearMemoryModel.fit(self.trials)
-        if self.prediction is None and hi is None and self.model is not None:
-            # Both probes fitted: predict, then verify the prediction with one trial.
-            self.prediction = self.model.largest_under(self.budget_mb * (1 - self.margin), self.max_micro_batch)
-            if self.prediction > lo:
-                return self.prediction
-        if hi is not None:  # a miss: bisect between the largest fit and the smallest miss
-            return (lo + hi) // 2 if hi - lo > 1 else None
-        return self._one_more(lo)
+        measured = sorted({t.micro_batch_size for t in self.trials if t.peaks_mb})
+        if len(measured) >= 2:
+            # Refit on the two largest sizes measured: memory is convex in the micro-batch
+            # (a fixed level can dominate small sizes, activations large ones), so the points
+            # nearest the answer give the line that matters there.
+            self.model = LinearMemoryModel.fit([t for t in self.trials if t.micro_batch_size in measured[-2:]])
+        limit = self.budget_mb * (1 - self.margin)
+        tried = {t.micro_batch_size for t in self.trials}
+        if hi is None:
+            if self.model is None:
+                return None
+            prediction = self.model.largest_under(limit, self.max_micro_batch)
+            if prediction > lo and prediction not in tried:
+                ramp = RAMP * max(measured)
+                if prediction > ramp:
+                    # Far beyond anything measured (the probes may sit where a fixed level hides
+                    # the activations' growth): measure closer first, then predict again.
+                    return ramp
+                self.prediction = prediction
+                return prediction
+            return self._one_more(lo)
+        if hi - lo <= 1:
+            return None
+        # A miss. With figures on both sides, the refitted line predicts inside the gap (a
+        # secant step); otherwise, or when it points outside, bisect.
+        if self.model is not None:
+            prediction = self.model.largest_under(limit, self.max_micro_batch)
+            if lo < prediction < hi and prediction not in tried:
+                self.prediction = prediction
+                return prediction
+            if prediction <= lo and lo + 1 not in tried:
+                return lo + 1  # the line puts the edge just above the largest fit: check it
+        return (lo + hi) // 2
 
     def _one_more(self, lo: int) -> int | None:
         """The margin (or allocator rounding) may have cost a size: when the largest fitting
@@ -157,42 +180,8 @@ class MicroBatchSearch:
         return lo + 1 if grown <= self.budget_mb else None
 
 
+RAMP = 16
+"""A prediction more than this many times the largest size measured is approached by measuring
+that multiple first."""
+
 PEAK_PREFIX = "peak_mb/"  # result keys "peak_mb/<rank/stage/phase>" carry a trial's peaks
-
-
-def _searcher_base():
-    from ray.tune.search import Searcher
-
-    return Searcher
-
-
-class MemorySearcher(_searcher_base()):
-    """A Ray Tune `Searcher` that runs `MicroBatchSearch` one trial at a time.
-
-    Each suggested config is `base_config` plus `micro_batch_size`; a trial reports `oom` (0/1)
-    and its peaks as `peak_mb/<key>` entries. `suggest` returns None while a trial runs (the
-    next size depends on its result) and `Searcher.FINISHED` when the search is done."""
-
-    def __init__(self, search: MicroBatchSearch, base_config: dict | None = None, metric: str = "oom") -> None:
-        super().__init__(metric=metric, mode="min")
-        self.search = search
-        self.base_config = dict(base_config or {})
-        self.running: dict[str, int] = {}
-
-    def suggest(self, trial_id: str):
-        if self.running:
-            return None
-        m = self.search.next()
-        if m is None:
-            return self.FINISHED
-        self.running[trial_id] = m
-        return {**self.base_config, "micro_batch_size": m}
-
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        m = self.running.pop(trial_id, None)
-        if m is None:
-            return
-        result = result or {}
-        peaks = {k[len(PEAK_PREFIX):]: float(v) for k, v in result.items() if k.startswith(PEAK_PREFIX)}
-        # A trial that crashed counts as out of memory for this size: never a crashed search.
-        self.search.observe(m, peaks, bool(result.get("oom", 0)) or error)
