@@ -30,6 +30,14 @@ def _ensure_logging() -> None:
         logger.addHandler(handler)
 
 
+def make_run_dir(base: Path) -> Path:
+    """`base`, or `base-1`, `base-2`, ... when it exists already (two runs in one second)."""
+    run_dir, n = base, 1
+    while run_dir.exists():
+        run_dir, n = Path(f"{base}-{n}"), n + 1
+    return run_dir
+
+
 def train(overrides: Sequence[str] = (), *, run_dir: str | Path | None = None) -> dict:
     """Compose the config from `overrides` (e.g. ``["+topology=dp2", "train.steps=20"]``),
     validate it, train, and return the summary. Raises `rayhybrid.errors.ConfigError` for bad
@@ -40,12 +48,7 @@ def train(overrides: Sequence[str] = (), *, run_dir: str | Path | None = None) -
 
     overrides = list(overrides)
     node = compose(overrides, return_hydra_config=True)
-    if run_dir is None:
-        run_dir = Path(str(node.hydra.run.dir))
-        base, n = run_dir, 1
-        while run_dir.exists():
-            run_dir, n = Path(f"{base}-{n}"), n + 1
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir) if run_dir is not None else make_run_dir(Path(str(node.hydra.run.dir)))
     cfg = dataclasses.replace(to_config(node), run_dir=str(run_dir))
     validate(cfg)
     hydra_dir = run_dir / ".hydra"

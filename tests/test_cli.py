@@ -13,13 +13,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], cwd: Path, timeout: float = 300, module: str = "rayhybrid") -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     # Works from any directory: the installed package, else this checkout.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return subprocess.run(
-        [sys.executable, "-m", "rayhybrid", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -255,8 +255,43 @@ class WorkerGroup:
             # The sample ranges each replica's first stage read: [[start, count], ...] in dp order.
             metrics["samples"] = [results[d * per_replica][i].pop("samples_read") for d in range(self.dp)]
             metrics.pop("samples_read", None)
+            if "peak_mb" in metrics:  # metrics.memory: every rank's peaks, "rank<r>/stage<s>/<phase>"
+                metrics["peak_mb"] = {
+                    f"rank{rank}/{key}": mb for rank, steps in enumerate(results) for key, mb in steps[i]["peak_mb"].items()
+                }
             merged.append(metrics)
         return merged
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Join every worker again under `cfg` (same topology; other settings may change, e.g.
+        the micro-batch size of a tuning trial); recovers the group first after a failed call."""
+        t, now = cfg.topology, self.cfg.topology
+        if (t.dp, t.pp, t.tp) != (now.dp, now.pp, now.tp):
+            raise ValueError("reconfigure keeps dp, pp and tp; use resize for another dp")
+        self.cfg = cfg
+        if self._inflight and not all(_finished(ref) for ref in self._inflight) or self._failed():
+            self.recover()
+        else:
+            self._join()
+
+    def errors(self) -> dict[int, str]:
+        """After a failed call: the one-line error of each rank whose call failed, once they
+        have all ended (a failed rank's peers fail after it; waits at most DRAIN_TIMEOUT_S)."""
+        refs = self._inflight
+        ray.wait(refs, num_returns=len(refs), timeout=DRAIN_TIMEOUT_S)
+        out = {}
+        for rank, ref in enumerate(refs):
+            if _finished(ref):
+                try:
+                    ray.get(ref)
+                except RayTaskError as err:
+                    out[rank] = _summary(err)
+                except RayActorError as err:
+                    out[rank] = f"worker died: {_summary(err)}"
+        return out
+
+    def _failed(self) -> bool:
+        return bool(self._inflight) and bool(self.errors())
 
     def save(self, root: str, keep: int, timeout_s: float | None = None) -> dict:
         return self._get([w.save.remote(root, keep) for w in self.workers], timeout_s=timeout_s, what="checkpoint save")[0]

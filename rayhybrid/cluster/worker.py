@@ -139,6 +139,7 @@ class TrainWorker:
         try:
             return fn(*args)
         except Exception as err:  # noqa: BLE001 - any failure breaks the group the same way
+            err = _out_of_memory(err) or err
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
             message = f"{type(err).__name__}: {lines[0] if lines else ''}"
         # Outside the handler, so the traceback's frames (and the trainer they hold) are gone.
@@ -149,6 +150,7 @@ class TrainWorker:
         """Drop the trainer and the process groups; idempotent. A group's connections close
         only when nothing refers to it any more: the trainer holds cycles (hence the
         collection) and device meshes keep their groups in registries (`forget_meshes`)."""
+        import torch
         import torch.distributed as dist
 
         self.trainer = None
@@ -159,6 +161,22 @@ class TrainWorker:
             gc.collect()
             forget_meshes()
         gc.collect()
+        if torch.cuda.is_initialized():  # after an out-of-memory error: hand the cached memory back
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         self.reset()
+
+
+def _out_of_memory(err: BaseException) -> BaseException | None:
+    """The out-of-memory error behind `err`, if any: torch's pipeline schedules wrap a stage's
+    errors in a RuntimeError ("Failed to run stage backward")."""
+    import torch
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, torch.OutOfMemoryError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
