@@ -26,6 +26,7 @@ from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config
 from rayhybrid.config.validate import usable_dps
 from rayhybrid.errors import PlacementError, RayHybridError, WorkerError
+from rayhybrid.observe import Observer
 
 log = logging.getLogger("rayhybrid")
 
@@ -79,10 +80,14 @@ class RunOutput:
         step, total = metrics["step"], self.cfg.train.steps
         if step % self.cfg.train.log_every == 0 or step == total or step == 1:
             self.bar.clear()
+            extra = "".join(
+                f" | {name} {metrics[key]:.1%}" for key, name in (("mfu", "MFU"), ("bubble", "bubble"))
+                if metrics.get(key) is not None
+            )
             log.info(
-                "step %*d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2fs/step",
+                "step %*d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2fs/step%s",
                 len(str(total)), step, total, metrics["loss"], metrics["lr"], metrics["grad_norm"],
-                f"{metrics['tokens_per_s']:,.0f}", metrics["step_time_s"],
+                f"{metrics['tokens_per_s']:,.0f}", metrics["step_time_s"], extra,
             )
         eta = elapsed_s / max(1, len(self.history)) * (total - step)
         self.bar.update(step, metrics["loss"], eta)
@@ -155,6 +160,7 @@ class Controller:
             "resizes": [],
         }
         started_ray = False
+        self.observer = Observer(cfg, out.dir)
         try:
             started_ray = connect(cfg)
             shape = resolve_shape(cfg)
@@ -189,6 +195,7 @@ class Controller:
             if out.history and summary["status"] != "completed":
                 summary.update(steps=out.history[-1]["step"], final_loss=out.history[-1]["loss"])
             summary["wall_s"] = round(time.perf_counter() - start, 3)
+            self.observer.close(summary, out.history)
             out.summary(summary)
             if self.group is not None:
                 self.group.shutdown(graceful=summary["status"] == "completed")
@@ -263,8 +270,10 @@ class Controller:
             dp=t.dp, world_size=t.dp * t.pp * t.tp,
             num_microbatches=self.cfg.train.global_batch_size // (t.dp * self.cfg.train.micro_batch_size),
         )
+        self.observer.started(self.group.placement(), first["device_name"])
         summary.update(
             placement=self.group.placement(),
+            device_name=first["device_name"],
             backend=first["backend"],
             device=first["device"],
             params=first["model_params"],
@@ -293,6 +302,7 @@ class Controller:
                 train_start = time.perf_counter()
                 while step < steps:
                     (metrics,) = self.group.train(1, timeout_s=cfg.fault.step_timeout_s)
+                    metrics = self.observer.step(metrics)
                     step = metrics["step"]
                     last_progress = time.perf_counter()
                     if recovery is not None:

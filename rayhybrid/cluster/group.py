@@ -259,6 +259,10 @@ class WorkerGroup:
                 metrics["peak_mb"] = {
                     f"rank{rank}/{key}": mb for rank, steps in enumerate(results) for key, mb in steps[i]["peak_mb"].items()
                 }
+            bubbles = [steps[i]["bubble"] for steps in results if steps[i].get("bubble") is not None]
+            metrics["bubble"] = sum(bubbles) / len(bubbles) if bubbles else None  # the pipeline's idle share
+            if "trace" in metrics:  # metrics.trace_steps: every rank's spans
+                metrics["trace"] = [event for steps in results for event in steps[i].get("trace", [])]
             merged.append(metrics)
         return merged
 

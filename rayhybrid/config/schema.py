@@ -152,6 +152,13 @@ class MetricsConfig:
     """Measure peak memory per pipeline stage and phase (forward, backward, optimizer) every
     step: the CUDA allocator's peaks, or on CPU an exact count of tensor bytes (slower: every
     operator is seen by a dispatch mode). See rayhybrid/trainer/memory.py."""
+    trace_steps: tuple[int, ...] = ()
+    """Optimizer steps (1-based) to record in trace.json: a Chrome trace, one track per rank with
+    forward, backward, optimizer and communication spans."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s of one device, for MFU; 0: from a table of known GPUs (none on CPU)."""
+    tensorboard: bool = False
+    """Also log the step metrics for TensorBoard, into <run dir>/tensorboard."""
 
 
 @dataclass(frozen=True)

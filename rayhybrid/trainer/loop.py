@@ -27,6 +27,7 @@ from rayhybrid.topology import Topology, num_microbatches, split_layers, stage_i
 from rayhybrid.trainer.data import build_stream, replica_shard
 from rayhybrid.trainer.memory import MemoryMeter
 from rayhybrid.trainer.optim import build_optimizer, lr_at, set_lr
+from rayhybrid.trainer.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,10 @@ class Trainer:
                 group=self.mesh["pp"].get_group(),
                 n_microbatches=self.n_microbatches,
                 loss_fn=self.loss_fn,
-                instrument=self._instrument if cfg.metrics.memory else None,
+                instrument=self._instrument,
             )
+        self.timeline = Timeline(rank)
+        self.trace_steps = set(cfg.metrics.trace_steps)
         self.memory = None
         if cfg.metrics.memory:
             budget = cfg.tune.memory_budget_mb if device.type == "cpu" else 0.0
@@ -115,6 +118,7 @@ class Trainer:
         return {
             "coord": [self.coord.dp, self.coord.pp, self.coord.tp],
             "device": str(self.device),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "stages": {str(i): layers for i, layers in self.stage_layers.items()},
             "local_params": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.params),
@@ -160,15 +164,17 @@ class Trainer:
         return stack
 
     def _instrument(self, stage) -> None:
-        """Label a pipeline stage's forward and backward chunks for the memory meter."""
-        for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
-                              ("backward_weight_one_chunk", "backward")):
-            setattr(stage, method, self._labelled(getattr(stage, method), stage.stage_index, phase))
+        """Time and label a pipeline stage's chunks: spans for the timeline (and its bubble),
+        phases for the memory meter."""
+        for method, phase, letter in (("forward_one_chunk", "forward", "F"), ("backward_one_chunk", "backward", "B"),
+                                      ("backward_weight_one_chunk", "backward", "W")):
+            setattr(stage, method, self._chunk(getattr(stage, method), stage.stage_index, phase, letter))
 
-    def _labelled(self, fn, stage: int, phase: str):
-        def run(*args, **kwargs):
+    def _chunk(self, fn, stage: int, phase: str, letter: str):
+        def run(chunk, *args, **kwargs):
             self._phase(stage, phase)
-            return fn(*args, **kwargs)
+            with self.timeline.span(f"{letter}{chunk}", phase, busy=True, stage=stage, microbatch=chunk):
+                return fn(chunk, *args, **kwargs)
 
         return run
 
@@ -185,14 +191,17 @@ class Trainer:
         for opt in self.optimizers:
             set_lr(opt, lr)
 
+        self.timeline.begin_step(record=self.step + 1 in self.trace_steps)
         with self.memory.step() if self.memory is not None else contextlib.nullcontext():
             loss = self.forward_backward()
             self._phase(self.stages[0][0], "optimizer")
-            grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
-            for opt in self.optimizers:
-                opt.step()
+            with self.timeline.span("optimizer", "optimizer", stage=self.stages[0][0]):
+                grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
+                for opt in self.optimizers:
+                    opt.step()
 
-        loss = self._global_loss(loss)
+        with self.timeline.span("all_reduce loss", "comm"):
+            loss = self._global_loss(loss)
         self.step += 1
         self.consumed_samples += cfg.train.global_batch_size
         elapsed = time.perf_counter() - start
@@ -210,6 +219,8 @@ class Trainer:
             "tp": t.tp,
             "samples_read": self.samples_read,  # [first sample index, count] this rank read
             **({"peak_mb": self.memory.peaks_mb()} if self.memory is not None else {}),
+            "bubble": self.timeline.bubble(),  # this rank's idle share of the pipeline's time
+            **({"trace": self.timeline.events} if self.timeline.record else {}),
         }
 
     def forward_backward(self) -> torch.Tensor:
@@ -246,20 +257,41 @@ class Trainer:
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(i == n - 1)
             self._phase(0, "forward")
-            loss = self.loss_fn(model(x), y)
+            with self.timeline.span(f"F{i}", "forward", busy=True, stage=0, microbatch=i):
+                loss = self.loss_fn(model(x), y)
             self._phase(0, "backward")
-            loss.backward()
+            with self.timeline.span(f"B{i}", "backward", busy=True, stage=0, microbatch=i):
+                loss.backward()
             total += _local(loss.detach())
         return total
 
     def _forward_backward_pipeline(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        with self.timeline.pipeline(), self._timed_p2p() if self.timeline.record else contextlib.nullcontext():
+            self.schedule.step(*args, **kwargs)
         if self.has_last:
-            self.schedule.step(*args, target=targets, losses=losses)
             return torch.stack([_local(x.detach()) for x in losses]).sum()
-        self.schedule.step(*args)
         return torch.zeros((), device=self.device)
+
+    @contextlib.contextmanager
+    def _timed_p2p(self):
+        """Spans for the schedule's waits on sends and receives (a traced step only): the
+        schedules wait through one module-level function, looked up at each call."""
+        from torch.distributed.pipelining import schedules
+
+        original = schedules._wait_batch_p2p
+
+        def wait(work):
+            with self.timeline.span("p2p wait", "comm"):
+                original(work)
+
+        schedules._wait_batch_p2p = wait
+        try:
+            yield
+        finally:
+            schedules._wait_batch_p2p = original
 
     def _group(self, dim: str) -> dist.ProcessGroup | None:
         return self.mesh[dim].get_group() if self.mesh[dim].size() > 1 else None

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayhybrid.config.schema import ModelConfig
+from rayhybrid.models.gpt.counts import num_params  # noqa: F401  (its home before counts.py)
 
 
 class Attention(nn.Module):
@@ -123,10 +124,3 @@ def _name_seed(seed: int, name: str) -> int:
     import zlib
 
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def num_params(cfg: ModelConfig, max_seq_len: int) -> int:
-    """Parameter count of the whole model, computed without building it."""
-    d, h = cfg.d_model, cfg.ffn_mult * cfg.d_model
-    per_layer = 4 * d * cfg.attn_dim + 2 * d * h + 4 * d
-    return cfg.vocab_size * d + max_seq_len * d + cfg.n_layers * per_layer + 2 * d + d * cfg.vocab_size

@@ -1,0 +1,129 @@
+"""What the driver adds to a run's outputs: FLOP/s and MFU per step, trace.json, TensorBoard
+event files and loss.png (the step metrics themselves come from the workers).
+
+    observer = Observer(cfg, run_dir)
+    observer.started(placement, device_name)      # once the workers describe themselves
+    metrics = observer.step(metrics)              # adds tflops/mfu, keeps trace spans aside
+    observer.close(summary, history)              # trace.json, loss.png, summary figures
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from rayhybrid.config.schema import Config
+from rayhybrid.models.gpt.counts import flops_per_token
+
+log = logging.getLogger("rayhybrid")
+
+# Dense peak TFLOP/s of one device (vendor datasheets, SXM parts unless named): (16-bit tensor
+# cores, float32). Float32 training uses the second: PyTorch's default matmul precision does not
+# use TF32. The first match in this order wins.
+PEAK_TFLOPS = (
+    ("H100 PCIe", (756.0, 51.0)),
+    ("H200", (989.0, 67.0)),
+    ("H100", (989.0, 67.0)),
+    ("A100", (312.0, 19.5)),
+    ("L40S", (362.0, 91.6)),
+    ("L4", (121.0, 30.3)),
+    ("A10", (125.0, 31.2)),
+    ("V100", (125.0, 15.7)),
+)
+
+
+def device_peak_tflops(cfg: Config, device_name: str) -> float | None:
+    """`metrics.peak_tflops` if set, else the table's figure for the device and dtype."""
+    if cfg.metrics.peak_tflops > 0:
+        return cfg.metrics.peak_tflops
+    for name, (half, single) in PEAK_TFLOPS:
+        if name.lower() in device_name.lower():
+            return half if cfg.train.dtype == "bfloat16" else single
+    return None
+
+
+class Observer:
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.dir = run_dir
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak: float | None = None
+        self.ranks: list[dict] = []
+        self.trace: list[dict] = []
+        self.writer = None
+        if cfg.metrics.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def started(self, placement: list[dict], device_name: str) -> None:
+        self.ranks = [{k: p[k] for k in ("rank", "dp", "pp", "tp")} for p in placement]
+        self.peak = device_peak_tflops(self.cfg, device_name)
+
+    def step(self, metrics: dict) -> dict:
+        """Adds `tflops` (achieved by the whole job: model FLOPs per token x tokens / step time)
+        and `mfu` (that over the peak of all its devices, when the peak is known)."""
+        metrics = dict(metrics)
+        spans = metrics.pop("trace", None)
+        if spans:
+            self.trace.extend(spans)
+        world = metrics["dp"] * metrics["pp"] * metrics["tp"]
+        metrics["tflops"] = self.flops_per_token * metrics["tokens_per_s"] / 1e12
+        metrics["mfu"] = metrics["tflops"] / (self.peak * world) if self.peak else None
+        if self.writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "mfu", "bubble", "dp"):
+                if metrics.get(key) is not None:
+                    self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
+            for key, mb in (metrics.get("peak_mb") or {}).items():
+                self.writer.add_scalar(f"memory_mb/{key}", mb, metrics["step"])
+        return metrics
+
+    def close(self, summary: dict, history: list[dict]) -> None:
+        steady = history[1:] or history
+        if steady:
+            summary["mean_tflops"] = round(sum(m["tflops"] for m in steady) / len(steady), 6)
+            mfu = [m["mfu"] for m in steady if m.get("mfu") is not None]
+            summary["mfu"] = round(sum(mfu) / len(mfu), 6) if mfu else None
+            bubbles = [m["bubble"] for m in steady if m.get("bubble") is not None]
+            summary["mean_bubble"] = round(sum(bubbles) / len(bubbles), 4) if bubbles else None
+            peaks = [m["peak_mb"] for m in history if m.get("peak_mb")]
+            if peaks:
+                by_stage: dict[str, float] = {}
+                for step in peaks:
+                    for key, mb in step.items():
+                        stage = key.split("/")[1]
+                        by_stage[stage] = max(mb, by_stage.get(stage, 0.0))
+                summary["peak_mb_by_stage"] = {k: round(v, 3) for k, v in sorted(by_stage.items())}
+        summary["flops_per_token"] = self.flops_per_token
+        summary["peak_tflops_per_device"] = self.peak
+        if self.trace:
+            from rayhybrid.trainer.timeline import chrome_trace
+
+            path = self.dir / "trace.json"
+            path.write_text(json.dumps(chrome_trace(self.trace, self.ranks)))
+            summary["trace"] = str(path)
+        if history:
+            summary["loss_plot"] = str(loss_plot(history, summary.get("loss_floor"), self.dir / "loss.png"))
+        if self.writer is not None:
+            self.writer.close()
+            summary["tensorboard"] = str(self.dir / "tensorboard")
+
+
+def loss_plot(history: list[dict], floor: float | None, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([m["step"] for m in history], [m["loss"] for m in history], label="loss")
+    if floor is not None:
+        ax.axhline(floor, color="gray", linestyle="--", label=f"data's loss floor {floor:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
