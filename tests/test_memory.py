@@ -12,35 +12,13 @@ from distributed import forward_memory, replace_topology, run_configs, train_man
 
 from rayhybrid.config.compose import load_config
 from rayhybrid.models.gpt.model import num_params
+from rayhybrid.plan.estimate import block_bytes, head_bytes, saved_bytes_per_sample  # the hand counts
 
 FLOAT = 4  # bytes of a float32
 
 
 def _cfg(*overrides: str):
     return load_config(["metrics.memory=true", *overrides])
-
-
-def block_bytes(cfg) -> int:
-    """What autograd keeps for backward per sample in one block of the tiny GPT, counted by hand
-    from its operators (float32): the inputs of its two LayerNorms (2 s d) and their mean and
-    rstd (4 s); their outputs, kept by the linear layers that read them (2 s d); q, k, v (3 s a)
-    and the attention output that `wo` reads (s a); the attention's log-sum-exp (heads x s); the
-    MLP's first linear output and its GELU (2 s h). The residual adds keep nothing."""
-    m, s = cfg.model, cfg.data.seq_len
-    d, a, h = m.d_model, m.attn_dim, m.ffn_mult * m.d_model
-    return FLOAT * (s * (4 * d + 4 * a + 2 * h + 4) + m.n_heads * s)
-
-
-def head_bytes(cfg) -> int:
-    """Per sample after the blocks: the final LayerNorm's input and output (2 s d) and stats
-    (2 s); the log-softmax of the logits (s V); the targets, flattened into a copy (s int64:
-    they are a strided slice of the token stream)."""
-    m, s = cfg.model, cfg.data.seq_len
-    return FLOAT * (2 * s * m.d_model + 2 * s + s * m.vocab_size) + 8 * s
-
-
-def saved_bytes_per_sample(cfg) -> int:
-    return cfg.model.n_layers * block_bytes(cfg) + head_bytes(cfg)
 
 
 def test_parameters_gradients_optimizer_state_and_activations_match_the_analytic_count():

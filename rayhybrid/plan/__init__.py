@@ -1,0 +1,22 @@
+"""`python -m rayhybrid.plan`: a dry run of a training configuration. Validates it exactly like
+training, then reports the rank layout (and, given a cluster, each rank's node and bundle),
+parameters, predicted memory per rank, communication per step, the pipeline bubble and FLOPs.
+Nothing trains; Ray is imported only to place against a cluster.
+
+    from rayhybrid.plan import build_plan
+    plan = build_plan(load_config(["+topology=dp2_pp2_tp2"]))   # a JSON-able dict
+
+`rayhybrid.plan.estimate` holds the formulas (`model_flops_per_token`, `block_bytes`, ...);
+`rayhybrid.plan.schedule` the pipeline schedules' action orders.
+"""
+
+__all__ = ["build_plan", "format_text"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that `from rayhybrid.plan.estimate import ...` loads only what it needs.
+    if name in __all__:
+        from rayhybrid.plan import report
+
+        return getattr(report, name)
+    raise AttributeError(name)

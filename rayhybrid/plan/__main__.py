@@ -1,0 +1,51 @@
+"""`python -m rayhybrid.plan [--json] [overrides...]`: the layout, memory, communication,
+bubble and FLOPs of a training configuration, without training.
+
+Takes the same Hydra overrides as `python -m rayhybrid` and validates them the same way. With
+`cluster.address=...` (or RAY_ADDRESS) it also reserves the replicas' placement groups on that
+Ray cluster, reports each rank's node and bundle, and releases them; otherwise Ray is not
+imported. `--json` prints everything as one JSON object instead of text.
+
+Exit codes: 0 done, 1 failed, 2 bad configuration (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rayhybrid.__main__ import fail
+from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError, RayHybridError
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return
+    as_json = "--json" in argv
+    overrides = [a for a in argv if a != "--json"]
+    try:
+        from rayhybrid.config.compose import load_config
+        from rayhybrid.plan.placement import cluster_address
+        from rayhybrid.plan.report import build_plan, format_text
+
+        cfg = load_config(overrides)
+        placement = None
+        if cluster_address(cfg):
+            from rayhybrid.plan.placement import place
+
+            placement = place(cfg)
+        plan = build_plan(cfg, placement)
+    except ConfigError as err:
+        fail(err, CONFIG_EXIT_CODE)
+    except RayHybridError as err:
+        fail(err, 1)
+    except KeyboardInterrupt:
+        print("rayhybrid.plan: interrupted", file=sys.stderr)
+        sys.exit(130)
+    print(json.dumps(plan, indent=1) if as_json else format_text(plan))
+
+
+if __name__ == "__main__":
+    main()
