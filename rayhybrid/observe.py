@@ -87,14 +87,9 @@ class Observer:
             summary["mfu"] = round(sum(mfu) / len(mfu), 6) if mfu else None
             bubbles = [m["bubble"] for m in steady if m.get("bubble") is not None]
             summary["mean_bubble"] = round(sum(bubbles) / len(bubbles), 4) if bubbles else None
-            peaks = [m["peak_mb"] for m in history if m.get("peak_mb")]
-            if peaks:
-                by_stage: dict[str, float] = {}
-                for step in peaks:
-                    for key, mb in step.items():
-                        stage = key.split("/")[1]
-                        by_stage[stage] = max(mb, by_stage.get(stage, 0.0))
-                summary["peak_mb_by_stage"] = {k: round(v, 3) for k, v in sorted(by_stage.items())}
+            for name in ("peak_mb", "activation_mb"):
+                if any(m.get(name) for m in history):
+                    summary[f"{name}_by_stage"] = _by_stage([m[name] for m in history if m.get(name)])
         summary["flops_per_token"] = self.flops_per_token
         summary["peak_tflops_per_device"] = self.peak
         if self.trace:
@@ -108,6 +103,16 @@ class Observer:
         if self.writer is not None:
             self.writer.close()
             summary["tensorboard"] = str(self.dir / "tensorboard")
+
+
+def _by_stage(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The highest figure of each stage over steps, ranks and phases ("rank<r>/stage<s>/<phase>")."""
+    by_stage: dict[str, float] = {}
+    for step in steps:
+        for key, mb in step.items():
+            stage = key.split("/")[1]
+            by_stage[stage] = max(mb, by_stage.get(stage, 0.0))
+    return {k: round(v, 3) for k, v in sorted(by_stage.items())}
 
 
 def loss_plot(history: list[dict], floor: float | None, path: Path) -> Path:

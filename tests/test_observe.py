@@ -43,6 +43,8 @@ def test_flops_mfu_bubble_and_memory_per_step(run):
         assert 0.0 < step["bubble"] < 0.9
         assert set(step["peak_mb"]) == {f"rank{r}/stage{r}/{p}" for r in (0, 1) for p in ("forward", "backward", "optimizer")}
     assert set(summary["peak_mb_by_stage"]) == {"stage0", "stage1"}
+    for stage in ("stage0", "stage1"):  # the bytes kept for backward, within the stage's peak
+        assert 0 < summary["activation_mb_by_stage"][stage] < summary["peak_mb_by_stage"][stage]
     assert summary["mfu"] == pytest.approx(sum(x["mfu"] for x in steps[1:]) / 3, rel=1e-4)
     assert 0 < summary["mean_bubble"] < 0.9
 

@@ -255,10 +255,11 @@ class WorkerGroup:
             # The sample ranges each replica's first stage read: [[start, count], ...] in dp order.
             metrics["samples"] = [results[d * per_replica][i].pop("samples_read") for d in range(self.dp)]
             metrics.pop("samples_read", None)
-            if "peak_mb" in metrics:  # metrics.memory: every rank's peaks, "rank<r>/stage<s>/<phase>"
-                metrics["peak_mb"] = {
-                    f"rank{rank}/{key}": mb for rank, steps in enumerate(results) for key, mb in steps[i]["peak_mb"].items()
-                }
+            for name in ("peak_mb", "activation_mb"):  # metrics.memory: every rank's, "rank<r>/stage<s>/<phase>"
+                if name in metrics:
+                    metrics[name] = {
+                        f"rank{rank}/{key}": mb for rank, steps in enumerate(results) for key, mb in steps[i][name].items()
+                    }
             bubbles = [steps[i]["bubble"] for steps in results if steps[i].get("bubble") is not None]
             metrics["bubble"] = sum(bubbles) / len(bubbles) if bubbles else None  # the pipeline's idle share
             if "trace" in metrics:  # metrics.trace_steps: every rank's spans

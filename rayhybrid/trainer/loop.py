@@ -218,7 +218,8 @@ class Trainer:
             "pp": t.pp,
             "tp": t.tp,
             "samples_read": self.samples_read,  # [first sample index, count] this rank read
-            **({"peak_mb": self.memory.peaks_mb()} if self.memory is not None else {}),
+            **({"peak_mb": self.memory.peaks_mb(), "activation_mb": self.memory.activation_mb()}
+               if self.memory is not None else {}),
             "bubble": self.timeline.bubble(),  # this rank's idle share of the pipeline's time
             **({"trace": self.timeline.events} if self.timeline.record else {}),
         }

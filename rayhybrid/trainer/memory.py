@@ -163,6 +163,11 @@ class MemoryMeter:
     def peaks_mb(self) -> dict[str, float]:
         return {label: value / MB for label, value in sorted(self.peaks.items())}
 
+    def activation_mb(self) -> dict[str, float]:
+        """CPU only: the bytes saved for backward (MemTracker's Activation category) at each
+        phase's peak."""
+        return {label: mb.get("Activation", 0.0) for label, mb in self.breakdown_mb().items()}
+
     def breakdown_mb(self) -> dict[str, dict[str, float]]:
         """CPU only: bytes by category (Parameter, Gradient, Optstate, Activation, Temp, ...) at
         each phase's peak."""
