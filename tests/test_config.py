@@ -69,6 +69,17 @@ def test_degrees_on_command_line_and_both_topology_spellings():
 
 
 @pytest.mark.parametrize(
+    "value, vocab, expected",
+    [("true", 2048, True), ("True", 2048, True), ("false", 50304, False), ("auto", 2048, False), ("auto", 8192, True)],
+)
+def test_loss_parallel_from_the_command_line(value, vocab, expected):
+    # Hydra turns `true`/`false` into booleans before they reach the string field.
+    t = load_config(["+topology=tp2", f"topology.loss_parallel={value}", f"model.vocab_size={vocab}"]).topology
+    assert t.use_loss_parallel(vocab) is expected
+    assert load_config([f"topology.loss_parallel={value}"]).topology.use_loss_parallel(vocab) is False  # tp 1
+
+
+@pytest.mark.parametrize(
     "overrides, setting, words",
     [
         (["topology.tp=3"], "topology.tp", ["n_heads=4"]),

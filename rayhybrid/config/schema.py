@@ -35,9 +35,10 @@ class TopologyConfig:
     def use_loss_parallel(self, vocab_size: int) -> bool:
         if self.tp == 1:
             return False
-        if self.loss_parallel == "auto":
+        choice = str(self.loss_parallel).lower()  # the command line's `true` arrives as bool True
+        if choice == "auto":
             return vocab_size >= 8192
-        return self.loss_parallel == "true"
+        return choice == "true"
 
 
 @dataclass(frozen=True)
