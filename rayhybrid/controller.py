@@ -75,6 +75,7 @@ class RunOutput:
         self.history: list[dict] = []
 
     def step(self, metrics: dict, elapsed_s: float) -> None:
+        metrics["time"] = time.time()  # wall clock when the driver had the step (for step-to-step intervals)
         self.history.append(metrics)
         self.metrics_file.write(json.dumps(metrics) + "\n")
         step, total = metrics["step"], self.cfg.train.steps
