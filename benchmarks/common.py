@@ -6,9 +6,11 @@ taken between runs of one `run.py` invocation, never against figures from anothe
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -86,18 +88,39 @@ def train(overrides: list[str], run_dir: Path) -> tuple[dict, list[dict], float]
 
 def steady_step_s(steps: list[dict], skip: int = 1) -> float:
     """Median step time after the first `skip` steps (warm-up)."""
-    times = sorted(s["step_time_s"] for s in steps[skip:]) or [s["step_time_s"] for s in steps]
-    return times[len(times) // 2]
+    return statistics.median([s["step_time_s"] for s in steps[skip:]] or [s["step_time_s"] for s in steps])
 
 
 def baseline(script: str, args: list[str], launcher: list[str] | None = None, timeout: float = 900) -> dict:
-    """Run a script of benchmarks/baselines/; its last stdout line is a JSON object."""
-    cmd = [*(launcher or [PY]), str(ROOT / "benchmarks" / "baselines" / script), *args]
-    launched = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("{")]
-    result = json.loads(lines[-1])
-    result["launched_wall"] = launched
-    return result
+    """Run a script of benchmarks/ (or benchmarks/baselines/); its last stdout line is a JSON object."""
+    return baselines_at_once([(script, args, launcher)], timeout)[0]
+
+
+def baselines_at_once(jobs: list[tuple[str, list[str], list[str] | None]], timeout: float = 900) -> list[dict]:
+    """Start several such scripts at the same moment and wait for all; their JSON objects."""
+    procs = []
+    for script, args, launcher in jobs:
+        path = ROOT / "benchmarks" / script
+        path = path if path.exists() else ROOT / "benchmarks" / "baselines" / script
+        cmd = [*(launcher or [PY]), str(path), *args]
+        procs.append((cmd, time.time(), subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                                                         stderr=subprocess.PIPE, text=True)))
+    results = []
+    for cmd, launched, proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{out[-2000:]}\n{err[-3000:]}")
+        result = json.loads([line for line in out.splitlines() if line.strip().startswith("{")][-1])
+        result["launched_wall"] = launched
+        results.append(result)
+    return results
+
+
+def torchrun(n: int) -> list[str]:
+    """The launcher of a torchrun baseline with `n` processes on this machine."""
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+
+
+def intervals(walls: list[float]) -> list[float]:
+    """Seconds between consecutive steps' wall-clock times."""
+    return [b - a for a, b in itertools.pairwise(walls)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
+import common
 
 # Big enough that compute dominates a step on one CPU thread per rank (~0.5 s per micro-batch
 # pass), small enough for minutes: 4 layers, d 256, seq 128, vocab 2048.
@@ -32,38 +33,65 @@ QUIET = ["checkpoint.every=0", "train.log_every=100"]
 
 def scaling(tmp: Path, quick: bool) -> dict:
     """Throughput of dp2, pp2 (1F1B, 8 micro-batches) and tp2 relative to one rank, same
-    global batch (16) and micro-batch (2)."""
-    steps = 6 if quick else 15
+    global batch (16) and micro-batch (2); with what bounds them on this machine: the same
+    one-rank job run twice at once (no communication at all), and the all-reduce's cost."""
+    steps, rounds = (8, 1) if quick else (16, 2)
     base = [*MODEL, *QUIET, "train.global_batch_size=16", "train.micro_batch_size=2", f"train.steps={steps}"]
     cases = {"1 rank": [], "dp2": ["+topology=dp2"], "pp2 (1F1B, 8 mb)": ["+topology=pp2"], "tp2": ["+topology=tp2"]}
-    rows = []
-    for name, extra in cases.items():
-        summary, records, _ = common.train([*base, *extra], tmp / f"scaling-{len(rows)}")
-        rows.append({"case": name, "step_s": common.steady_step_s(records), "tokens_per_s": summary["mean_tokens_per_s"]})
-    one = rows[0]["step_s"]
-    for row in rows:
-        row["speedup"] = one / row["step_s"]
-    return {"rows": rows, "note": "physical limit on 2 cores: 2.0x"}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(rounds):  # rounds interleave the cases, so a slow spell of the machine hits all of them
+        for i, (name, extra) in enumerate(cases.items()):
+            _, records, _ = common.train([*base, *extra], tmp / f"scaling-{r}-{i}")
+            times[name] += [x["step_time_s"] for x in records[2:]]
+    one = statistics.median(times["1 rank"])
+    rows = [{"case": name, "step_s": statistics.median(t), "speedup": one / statistics.median(t)} for name, t in times.items()]
+    # The ceiling: two independent one-rank jobs at once, against one alone (the same launcher).
+    args = [*MODEL, "train.global_batch_size=16", "train.micro_batch_size=2", "--steps", str(steps)]
+    alone = common.baseline("torchrun_train.py", args, launcher=common.torchrun(1))
+    pair = common.baselines_at_once([("torchrun_train.py", args, common.torchrun(1))] * 2)
+    alone_s = statistics.median(alone["step_times_s"][2:])
+    pair_s = statistics.median([t for r in pair for t in r["step_times_s"][2:]])
+    allreduce = common.baseline("allreduce.py", [], launcher=common.torchrun(2))
+    return {"rows": rows, "ceiling": 2 * alone_s / pair_s, "alone_step_s": alone_s, "pair_step_s": pair_s,
+            "allreduce": allreduce["rows"], "backend": allreduce["backend"], "steps": steps, "rounds": rounds}
 
 
 def overhead(tmp: Path, quick: bool) -> dict:
-    """The same model and parallelism launched by torchrun (no Ray) and by rayhybrid: steady-state
-    step time ratio (goal: within 5%)."""
-    steps = 8 if quick else 20
-    topologies = ["+topology=dp2", "+topology=pp2"] if quick else ["+topology=dp2", "+topology=pp2", "+topology=tp2"]
+    """The same model, parallelism and trainer code launched by torchrun (plain processes, no
+    Ray) and by rayhybrid (Ray actors driven step by step): steady-state step time, as seen
+    inside the ranks and as wall time between steps; runs alternate, A B B A ..., so a slow
+    spell of the machine does not favour one (goal: within 5%)."""
+    steps, pairs = (12, 2) if quick else (30, 3)
+    topologies = ["dp2", "pp2"] if quick else ["dp2", "pp2", "tp2"]
     base = [*MODEL, "train.global_batch_size=16", "train.micro_batch_size=2"]
     rows = []
     for topo in topologies:
-        _, records, _ = common.train([*base, *QUIET, topo, f"train.steps={steps}"], tmp / f"overhead-{len(rows)}")
-        ours = common.steady_step_s(records)
-        theirs = common.baseline(
-            "torchrun_train.py", [*base, topo, "--steps", str(steps)],
-            launcher=[common.PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
-        )
-        ref = sorted(theirs["step_times_s"][1:])[len(theirs["step_times_s"][1:]) // 2]
-        rows.append({"case": topo.split("=")[1], "rayhybrid_step_s": ours, "torchrun_step_s": ref, "ratio": ours / ref,
-                     "same_losses": _close(theirs["losses"], [r["loss"] for r in records])})
-    return {"rows": rows}
+        ours: dict[str, list[float]] = {"step": [], "wall": [], "runs": []}
+        theirs: dict[str, list[float]] = {"step": [], "wall": [], "runs": []}
+        for i in range(2 * pairs):
+            if i % 4 in (0, 3):  # A B B A: each launcher goes first as often as second
+                _, records, _ = common.train([*base, *QUIET, f"+topology={topo}", f"train.steps={steps}"],
+                                             tmp / f"overhead-{topo}-{i}")
+                ours["step"] += [r["step_time_s"] for r in records[2:]]
+                ours["runs"].append(statistics.median(r["step_time_s"] for r in records[2:]))
+                ours["wall"] += common.intervals([r["time"] for r in records[1:]])
+                losses = [r["loss"] for r in records]
+            else:
+                r = common.baseline("torchrun_train.py", [*base, f"+topology={topo}", "--steps", str(steps)],
+                                    launcher=common.torchrun(2))
+                theirs["step"] += r["step_times_s"][2:]
+                theirs["runs"].append(statistics.median(r["step_times_s"][2:]))
+                theirs["wall"] += common.intervals(r["step_walls"][1:])
+                ref = r["losses"]
+        # Each run's median in-step time, in the order run: how much the machine moved meanwhile.
+        row = {"case": topo, "same_losses": _close(ref, losses), "rayhybrid_runs_s": ours["runs"],
+               "torchrun_runs_s": theirs["runs"]}
+        for key in ("step", "wall"):
+            row[f"rayhybrid_{key}_s"] = statistics.median(ours[key])
+            row[f"torchrun_{key}_s"] = statistics.median(theirs[key])
+            row[f"{key}_ratio"] = row[f"rayhybrid_{key}_s"] / row[f"torchrun_{key}_s"]
+        rows.append(row)
+    return {"rows": rows, "steps": steps, "runs_each": pairs}
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -78,8 +106,9 @@ def startup(tmp: Path, quick: bool) -> dict:
     tiny = ["train.global_batch_size=8", "train.micro_batch_size=1", "train.steps=2", *QUIET]
     for ranks, topo in ((1, []), (8, ["topology.dp=8"])):
         _, _, first = common.train([*tiny, *topo], tmp / f"startup-{ranks}")
-        theirs = common.baseline("raytrain_train.py", [*tiny, *topo, "--steps", "2", "--workers", str(ranks)])
-        rows.append({"ranks": ranks, "rayhybrid_s": first, "raytrain_s": theirs["first_step_wall"] - theirs["launched_wall"]})
+        theirs = common.baseline("raytrain_train.py", [*tiny, *topo, "--steps", "2", "--num-workers", str(ranks)])
+        rows.append({"ranks": ranks, "rayhybrid_s": first, "raytrain_s": theirs["first_step_wall"] - theirs["launched_wall"],
+                     "raytrain_startup": {"ray_init_s": theirs["ray_init_s"], **theirs["startup"]}})
     return {"rows": rows}
 
 
@@ -96,7 +125,7 @@ def recovery(tmp: Path, quick: bool) -> dict:
     ours = {k: rec.get(k) for k in ("total_s", "detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")}
     theirs = common.baseline(
         "raytrain_train.py",
-        ["train.global_batch_size=8", "train.micro_batch_size=1", "data.seq_len=32", "--workers", "8", "--steps", "10",
+        ["train.global_batch_size=8", "train.micro_batch_size=1", "data.seq_len=32", "--num-workers", "8", "--steps", "10",
          "--kill-at", "5"],
     )
     return {"rayhybrid": ours, "raytrain": theirs}
@@ -111,41 +140,42 @@ def batch_search(tmp: Path, quick: bool) -> dict:
     sys.path.insert(0, str(common.ROOT))
     from rayhybrid.cluster.connect import connect, resolve_shape
     from rayhybrid.config.compose import load_config
+    from rayhybrid.tune.plan import peaks_from_result
     from rayhybrid.tune.run import TrialHost
     from rayhybrid.tune.search import MicroBatchSearch
 
-    budget = 12.0
-    cfg = load_config(["+topology=pp2", f"tune.memory_budget_mb={budget}", "tune.steps=3"])
+    budgets = (12.0,) if quick else (12.0, 40.0)
     rows = []
-    connect(cfg)
+    connect(load_config(["+topology=pp2"]))
     try:
-        shape = resolve_shape(cfg)
-        for name in ("rayhybrid", "lightning-style"):
-            host = TrialHost(cfg, shape)
-            sizes = []
+        for budget in budgets:
+            cfg = load_config(["+topology=pp2", f"tune.memory_budget_mb={budget}", "tune.steps=3"])
+            shape = resolve_shape(cfg)
+            for name in ("rayhybrid", "lightning-style"):
+                host, sizes = TrialHost(cfg, shape), []
 
-            def fits(m: int) -> bool:
-                sizes.append(m)
-                r = host.run({"micro_batch_size": m, "num_microbatches": 2, "activation_checkpointing": False})
-                return not r["oom"] and not r["error"] and r["peak_mb"] <= budget
-
-            start = time.perf_counter()
-            if name == "rayhybrid":
-                search = MicroBatchSearch(budget)
-                while (m := search.next()) is not None:
+                def trial(m: int, host=host, sizes=sizes) -> dict:
                     sizes.append(m)
-                    r = host.run({"micro_batch_size": m, "num_microbatches": 2, "activation_checkpointing": False})
-                    peaks = {k[len("peak_mb/"):]: v for k, v in r.items() if k.startswith("peak_mb/")}
-                    search.observe(m, peaks, bool(r["oom"]))
-                best = search.best
-            else:
-                best = _lightning_binsearch(fits, init=2)
-            rows.append({"search": name, "trials": len(sizes), "sizes": sizes, "largest": best,
-                         "wall_s": time.perf_counter() - start})
-            host.shutdown()
+                    return host.run({"micro_batch_size": m, "num_microbatches": 2, "activation_checkpointing": False})
+
+                start = time.perf_counter()
+                if name == "rayhybrid":
+                    search = MicroBatchSearch(budget)
+                    while (m := search.next()) is not None:
+                        r = trial(m)
+                        search.observe(m, peaks_from_result(r), bool(r["oom"]))
+                    best = search.best
+                else:
+                    best = _lightning_binsearch(
+                        lambda m, budget=budget: not (r := trial(m))["oom"] and not r["error"] and r["peak_mb"] <= budget,
+                        init=2,
+                    )
+                rows.append({"budget_mb": budget, "search": name, "trials": len(sizes), "sizes": sizes,
+                             "largest": best, "wall_s": time.perf_counter() - start})
+                host.shutdown()
     finally:
         ray.shutdown()
-    return {"rows": rows, "budget_mb": budget}
+    return {"rows": rows}
 
 
 def _lightning_binsearch(fits, init: int = 2, max_trials: int = 25) -> int:
@@ -167,8 +197,13 @@ def _lightning_binsearch(fits, init: int = 2, max_trials: int = 25) -> int:
 
 
 def schedules(tmp: Path, quick: bool) -> dict:
-    """Measured bubble fraction and peak activation memory per stage of the pipeline schedules,
-    pp2 x 4 micro-batches, next to theory."""
+    """Measured bubble fraction, peak memory and peak saved activations per pipeline rank of the
+    schedules, pp2 x 4 micro-batches, next to theory: the bubble formula, and the memory
+    `python -m rayhybrid.plan` predicts by walking the schedule's order (rayhybrid.plan.estimate)."""
+    sys.path.insert(0, str(common.ROOT))
+    from rayhybrid.config.compose import load_config
+    from rayhybrid.plan.estimate import bubble_fraction, rank_memory
+
     cases = {"gpipe": [], "1f1b": [], "interleaved_1f1b": ["topology.stages_per_rank=2"],
              "interleaved_zb": ["topology.stages_per_rank=2"], "zbv": ["topology.stages_per_rank=2"]}
     if quick:
@@ -178,12 +213,23 @@ def schedules(tmp: Path, quick: bool) -> dict:
     for name, extra in cases.items():
         overrides = ["+topology=pp2", f"topology.schedule={name}", *extra, *MODEL, "train.global_batch_size=8",
                      "train.micro_batch_size=2", f"train.steps={5 if quick else 10}", "metrics.memory=true", *QUIET]
-        summary, records, _ = common.train(overrides, tmp / f"sched-{name}")
-        v = 2 if extra else 1
-        theory = (pp - 1) / (v * m + pp - 1)
-        rows.append({"schedule": name, "bubble": summary["mean_bubble"], "theory_bubble": theory,
-                     "activation_mb": summary.get("activation_mb_by_stage"), "peak_mb": summary.get("peak_mb_by_stage"),
-                     "step_s": common.steady_step_s(records)})
+        _, records, _ = common.train(overrides, tmp / f"sched-{name}")
+        cfg = load_config(overrides)
+        theory, formula = bubble_fraction(name, pp, m, 2 if extra else 1)
+        plan = [rank_memory(cfg, r) for r in range(pp)]
+        last = records[-1]  # "rank<r>/stage<s>/<phase>": MB, once the optimizer state exists
+
+        def per_rank(metric: str, last=last) -> list[float]:
+            return [max(v for k, v in last[metric].items() if k.startswith(f"rank{r}/")) for r in range(pp)]
+
+        rows.append({
+            "schedule": name, "bubble": statistics.median(r["bubble"] for r in records[1:]), "theory_bubble": theory,
+            "formula": formula, "activation_mb": per_rank("activation_mb"),
+            "plan_activation_mb": [p.saved_peak / 2**20 for p in plan],
+            "in_flight": [{str(k): v for k, v in p.max_in_flight.items()} for p in plan],
+            "peak_mb": per_rank("peak_mb"), "plan_peak_mb": [p.total / 2**20 for p in plan],
+            "step_s": common.steady_step_s(records),
+        })
     return {"rows": rows, "micro_batches": m}
 
 

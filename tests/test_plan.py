@@ -278,6 +278,24 @@ def test_memory_parts_add_up_and_follow_the_schedule():
     assert fsdp["optimizer_mb"] == pytest.approx(full["optimizer_mb"] / 2, abs=1e-3)
 
 
+def test_most_saved_for_backward_over_the_step():
+    # GPipe: every micro-batch in flight at the end of the forwards, on both stages, plus the last
+    # stage's kept logits (b s V floats per micro-batch); 1F1B: pp - stage at most.
+    m, b, s, v = 4, 2, 128, 2048
+    base = ["+topology=pp2", "model.vocab_size=2048", "data.seq_len=128", "train.global_batch_size=8",
+            "train.micro_batch_size=2"]
+    gpipe = load_config([*base, "topology.schedule=gpipe"])
+    for r in range(2):
+        mem = est.rank_memory(gpipe, r)
+        assert mem.max_in_flight == {r: m}
+        per_mb = mem.activations // mem.in_flight[r]  # at the total peak (in backward) fewer may be held
+        assert mem.saved_peak == m * per_mb + (m * 4 * b * s * v if r == 1 else 0)
+    one = load_config(base)
+    assert [est.rank_memory(one, r).max_in_flight for r in range(2)] == [{0: 2}, {1: 1}]
+    zbv = load_config([*base, "topology.schedule=zbv", "topology.stages_per_rank=2"])
+    assert est.rank_memory(zbv, 0).max_in_flight[0] == m  # ZB-V's first stage runs every forward first
+
+
 # ------------------------------------------------------------------------------------------
 # Communication, by hand
 

@@ -8,7 +8,7 @@ topology must give dp * pp * tp == --nproc-per-node. Each process runs one torch
 (gloo). Rank 0 prints one JSON object on the last line of stdout:
 
     {"launcher": "torchrun", "world_size", "topology", "step_times_s", "losses",
-     "start_wall", "agent_start_wall", "init_done_wall", "trainer_built_wall", "first_step_wall",
+     "step_walls", "start_wall", "agent_start_wall", "init_done_wall", "trainer_built_wall", "first_step_wall",
      "end_wall"}
 
 `start_wall` is the earliest `time.time()` at which any rank began executing this script;
@@ -102,11 +102,12 @@ def main(argv=None) -> int:
     trainer = Trainer(cfg, rank=rank, device=device)
     built = time.time()
 
-    step_times, losses, first_step_wall = [], [], None
+    step_times, losses, walls, first_step_wall = [], [], [], None
     for _ in range(args.steps):
         metrics = trainer.train_step()
         if first_step_wall is None:
             first_step_wall = time.time()
+        walls.append(time.time())
         step_times.append(metrics["step_time_s"])
         losses.append(metrics["loss"])
         if rank == 0:
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
             "steps": args.steps,
             "step_times_s": step_times,
             "losses": losses,
+            "step_walls": walls,
             "start_wall": min(starts),
             "agent_start_wall": agent_start_wall(),
             "init_done_wall": init_done,

@@ -301,6 +301,8 @@ class RankMemory:
     peak_at: str
     in_flight: dict[int, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    saved_peak: int = 0  # most bytes saved for backward at any point of the step (with the kept logits)
+    max_in_flight: dict[int, int] = field(default_factory=dict)  # most micro-batches in flight per stage
 
     @property
     def total(self) -> int:
@@ -317,6 +319,8 @@ class RankMemory:
             "total_bytes": self.total,
             "peak_at": self.peak_at,
             "in_flight": {str(k): v for k, v in self.in_flight.items()},
+            "saved_peak_mb": self.saved_peak / MB,
+            "max_in_flight": {str(k): v for k, v in self.max_in_flight.items()},
             "notes": self.notes,
         }
 
@@ -498,14 +502,19 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
     # by the last send it made.
     stale = 0
     best: tuple[int, dict] | None = None
+    saved_peak, max_in_flight = 0, dict(held)
 
     def consider(where: str, transient: int) -> None:
-        nonlocal best
+        nonlocal best, saved_peak
+        saved = sum(costs[sid].held * n for sid, n in held.items()) + intermediates
+        saved_peak = max(saved_peak, saved + kept_logits)
+        for sid, n in held.items():
+            max_in_flight[sid] = max(max_in_flight[sid], n)
         parts = {
             "params": params,
             "grads": sum(grads_during[sid] for sid in grads_on),
             "optimizer": optimizer,
-            "activations": sum(costs[sid].held * n for sid, n in held.items()) + intermediates,
+            "activations": saved,
             "pipeline_buffers": recv + kept_logits + kept_sends + stale,
             "transient": transient,
             "batch": batch,
@@ -580,7 +589,8 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
         pp_rank=pp_rank, stages=owned, params=parts["params"], grads=parts["grads"], optimizer=parts["optimizer"],
         activations=parts["activations"], pipeline_buffers=parts["pipeline_buffers"], transient=parts["transient"],
         batch=parts["batch"], dp_buffers=parts["dp_buffers"], autocast_weights=parts["autocast_weights"],
-        peak_at=parts["where"], in_flight=parts["in_flight"], notes=notes,
+        peak_at=parts["where"], in_flight=parts["in_flight"], notes=notes, saved_peak=saved_peak,
+        max_in_flight=max_in_flight,
     )
 
 
