@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     # The earliest start of any rank (all ranks are started by the same agent, nearly at once).
     starts = [None] * world_size
     dist.all_gather_object(starts, START_WALL)
-    dist.destroy_process_group()
+    # No destroy_process_group: the process ends with os._exit below (see there).
     if rank == 0:
         result = {
             "launcher": "torchrun",
@@ -140,4 +140,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The result is out; skip the interpreter's teardown, where a pipeline's idle gloo threads
+    # have been seen to abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
