@@ -88,6 +88,9 @@ def _startup(r: dict) -> str:
                         ", ".join(f"{k[:-2].replace('_', ' ')} {_f(v, 1)}" for k, v in (x.get("raytrain_startup") or {}).items()
                                   if v is not None)]
                        for x in r["rows"]])
+        out += ("In Ray Train's columns *start group* (the controller starting the worker group) includes *last proc "
+                "started* (its processes spawned) and the torch process group's set-up; *build model* is the workers "
+                "importing torch and building the model, all at once on the same cores.\n\n")
     return out
 
 
@@ -145,6 +148,10 @@ def _schedules(r: dict) -> str:
                         " / ".join(", ".join(f"{k}: {v}" for k, v in d.items()) for d in x["in_flight"]),
                         mbs(x["peak_mb"]), mbs(x["plan_peak_mb"]), _f(x["step_s"], 3)]
                        for x in r["rows"]])
+        out += ("The interleaved and zero-bubble schedules cut each rank's work into twice as many chunks, so what "
+                "every chunk costs whatever its size (a gloo send or receive, see the all-reduce table above; "
+                "torch's Python dispatch) weighs twice as much; on this machine that takes back most of what the "
+                "formulas promise. That explanation is ours and not broken down further here.\n\n")
         out += "Bubble theory: " + "; ".join(
             dict.fromkeys(f"{x['schedule']}: {x['formula']}" for x in r["rows"])) + ".\n\n"
     return out
