@@ -5,6 +5,7 @@ Exit codes: 0 done, 1 the run failed, 2 bad configuration (one line on stderr), 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -20,6 +21,21 @@ def fail(err: Exception, code: int) -> None:
     sys.exit(code)
 
 
+@contextlib.contextmanager
+def exit_codes(prog: str):
+    """What the command-line entry points do with errors: a config error is one line and exit
+    code 2, another rayhybrid error one line and 1, Ctrl-C a line and 130."""
+    try:
+        yield
+    except ConfigError as err:
+        fail(err, CONFIG_EXIT_CODE)
+    except RayHybridError as err:
+        fail(err, 1)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
 def task(node) -> None:
     from hydra.core.hydra_config import HydraConfig
 
@@ -27,17 +43,10 @@ def task(node) -> None:
     from rayhybrid.config.validate import validate
     from rayhybrid.controller import Controller
 
-    try:
+    with exit_codes("rayhybrid"):
         cfg = dataclasses.replace(to_config(node), run_dir=HydraConfig.get().runtime.output_dir)
         validate(cfg)
         summary = Controller(cfg).run()
-    except ConfigError as err:
-        fail(err, CONFIG_EXIT_CODE)
-    except RayHybridError as err:
-        fail(err, 1)
-    except KeyboardInterrupt:
-        print("rayhybrid: interrupted", file=sys.stderr)
-        sys.exit(130)
     if summary["status"] != "completed":
         sys.exit(1)
 

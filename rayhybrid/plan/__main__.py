@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from rayhybrid.__main__ import fail
-from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError, RayHybridError
+from rayhybrid.__main__ import exit_codes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     as_json = "--json" in argv
     overrides = [a for a in argv if a != "--json"]
-    try:
+    with exit_codes("rayhybrid.plan"):
         from rayhybrid.config.compose import load_config
         from rayhybrid.plan.placement import cluster_address
         from rayhybrid.plan.report import build_plan, format_text
@@ -37,13 +36,6 @@ def main(argv: list[str] | None = None) -> None:
 
             placement = place(cfg)
         plan = build_plan(cfg, placement)
-    except ConfigError as err:
-        fail(err, CONFIG_EXIT_CODE)
-    except RayHybridError as err:
-        fail(err, 1)
-    except KeyboardInterrupt:
-        print("rayhybrid.plan: interrupted", file=sys.stderr)
-        sys.exit(130)
     print(json.dumps(plan, indent=1) if as_json else format_text(plan))
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from rayhybrid.__main__ import fail
-from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError, RayHybridError
+from rayhybrid.__main__ import exit_codes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,15 +29,8 @@ def main(argv: list[str] | None = None) -> None:
             run_dir = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
-    try:
+    with exit_codes("rayhybrid.tune"):
         tune_main(overrides, run_dir=run_dir)
-    except ConfigError as err:
-        fail(err, CONFIG_EXIT_CODE)
-    except RayHybridError as err:
-        fail(err, 1)
-    except KeyboardInterrupt:
-        print("rayhybrid.tune: interrupted", file=sys.stderr)
-        sys.exit(130)
 
 
 if __name__ == "__main__":
