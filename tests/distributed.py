@@ -281,3 +281,54 @@ def forward_memory(rank: int, cfgs: dict) -> dict[str, dict]:
         out[label] = {"live_before": before, "live_after": after, "categories": categories, "losses": losses}
         del tr, loss
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Long-lived worker processes that join several worlds one after another, as Ray actors do
+# when recovery keeps the survivors and an elastic resize renumbers them.
+
+
+def run_worlds(cfgs: list, ranks: list[dict[int, int]], num_procs: int, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Process p joins world i as rank `ranks[i][p]` (when it is in that world) with config
+    `cfgs[i]`, trains one step through `TrainWorker` and leaves; returns {p: [loss per world it
+    joined]}, or raises `RankError` with the first failure."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ports = [free_port() for _ in cfgs]
+    procs = [ctx.Process(target=_worlds_child, args=(p, cfgs, ranks, ports, out), daemon=True) for p in range(num_procs)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(results) < num_procs:
+            try:
+                proc, ok, payload = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                raise RankError(f"processes {sorted(set(range(num_procs)) - set(results))} did not finish") from None
+            if not ok:
+                raise RankError(f"process {proc}: {payload}")
+            results[proc] = payload
+    finally:
+        _stop(procs)
+    return results
+
+
+def _worlds_child(proc: int, cfgs: list, ranks: list[dict[int, int]], ports: list[int], out) -> None:
+    try:
+        from rayhybrid.cluster.worker import TrainWorker, WorkerInfo
+
+        class LocalWorker(TrainWorker):  # no Ray: one CPU process
+            def info(self) -> WorkerInfo:
+                return WorkerInfo(self.rank, "local", "127.0.0.1", 0, ())
+
+        torch.set_num_threads(1)
+        worker, losses = LocalWorker(cfgs[0], 0, 1), []
+        for cfg, world, port in zip(cfgs, ranks, ports):
+            if proc in world:
+                worker.setup("127.0.0.1", port, (), rank=world[proc], cfg=cfg)
+                (metrics,) = worker.train(1)
+                losses.append(metrics["loss"])
+                worker.reset()
+        out.put((proc, True, losses))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        out.put((proc, False, f"{type(err).__name__}: {err}"))

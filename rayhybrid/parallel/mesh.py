@@ -36,18 +36,29 @@ def build_mesh(dp: int, pp: int, tp: int, device: torch.device) -> DeviceMesh:
 
 
 def forget_meshes() -> None:
-    """After `destroy_process_group`: drop the references that device meshes (each keeps its
-    groups in a registry) and DTensor's sharding caches (which keep meshes) still hold to the
-    destroyed groups, so their connections close; a peer blocked on this rank then fails at
-    once instead of waiting for the collective's timeout. The scan is short when the objects
-    made by imports were frozen out of the collector (`gc.freeze`, see cluster/worker.py)."""
+    """After `destroy_process_group`: forget every device mesh of the world just left.
+
+    Two kinds of references outlive the world. Device meshes keep their groups in a registry,
+    so the groups' connections stay open; clearing it closes them, and a peer blocked on this
+    rank fails at once instead of waiting for the collective's timeout. And DTensor caches
+    sharding decisions keyed by mesh, where two meshes are equal when their shape and dimension
+    names are (group names do not count): a worker that later joins a world of the same shape
+    under another rank would get back a cached mesh whose groups are the old world's, and fail
+    with "Could not resolve the process group registered under the name N". The scan is short
+    when the objects made by imports were frozen out of the collector (`gc.freeze`, see
+    cluster/worker.py)."""
     import gc
 
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
     for obj in gc.get_objects():
         if type(obj) is DeviceMesh:
             getattr(obj, "_pg_registry", {}).clear()
