@@ -1,6 +1,6 @@
 """Pure topology math: rank <-> (dp, pp, tp) coordinates, replicas, stage layer split.
 
-Rank order (DESIGN invariant 1): ``rank = (dp_i * pp + pp_i) * tp + tp_i``; tp varies fastest.
+Rank order (docs/design.md, invariant 1): ``rank = (dp_i * pp + pp_i) * tp + tp_i``; tp varies fastest.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, style: str = "loop") 
 
 
 def num_microbatches(global_batch_size: int, dp: int, micro_batch_size: int) -> int:
-    """Pipeline micro-batches = gradient-accumulation steps per replica (DESIGN invariant 3)."""
+    """Pipeline micro-batches = gradient-accumulation steps per replica (docs/design.md, invariant 3)."""
     per_replica, rem = divmod(global_batch_size, dp * micro_batch_size)
     if rem or per_replica == 0:
         raise ValueError(
@@ -86,3 +86,81 @@ def num_microbatches(global_batch_size: int, dp: int, micro_batch_size: int) -> 
             f"dp * train.micro_batch_size = {dp} * {micro_batch_size}"
         )
     return per_replica
+
+
+V_SHAPED = ("zbv",)
+"""Schedules that place a rank's two stages in a V (the first and the last stage on rank 0)."""
+
+
+def stage_style(schedule: str) -> str:
+    """How stages are assigned to pipeline ranks: `v` for V-shaped schedules, else `loop`."""
+    return "v" if schedule in V_SHAPED else "loop"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a config's topology and batch imply, computed here and asked for everywhere else.
+
+        layout = Layout.of(cfg)
+        layout.world_size, layout.num_microbatches, layout.stages_of(pp_rank), layout.stage_layers
+    """
+
+    dp: int
+    pp: int
+    tp: int
+    schedule: str
+    stages_per_rank: int
+    n_layers: int
+    global_batch_size: int
+    micro_batch_size: int
+
+    @classmethod
+    def of(cls, cfg) -> Layout:
+        """From a `rayhybrid.config.schema.Config` (its topology, model and train sections)."""
+        t, tr = cfg.topology, cfg.train
+        return cls(t.dp, t.pp, t.tp, t.schedule, t.stages_per_rank, cfg.model.n_layers,
+                   tr.global_batch_size, tr.micro_batch_size)
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.dp, self.pp, self.tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def replica_batch_size(self) -> int:
+        """Samples each data-parallel replica reads per step."""
+        return self.global_batch_size // self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Pipeline micro-batches = gradient-accumulation steps per replica (docs/design.md,
+        invariant 3); a validated config divides exactly."""
+        return self.global_batch_size // (self.dp * self.micro_batch_size)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages per pipeline rank (1 without a pipeline)."""
+        return self.stages_per_rank if self.pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def stage_layers(self) -> list[range]:
+        """The layers of each pipeline stage, in stage order."""
+        return split_layers(self.n_layers, self.num_stages)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` owns, as the trainer builds them."""
+        if self.pp == 1:
+            return [0]
+        return stage_ids(pp_rank, self.pp, self.stages_per_rank, stage_style(self.schedule))
+
+    def summary(self) -> dict:
+        """The topology as summary.json and the step records report it."""
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "world_size": self.world_size,
+                "num_microbatches": self.num_microbatches}

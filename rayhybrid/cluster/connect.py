@@ -10,6 +10,7 @@ import ray
 from rayhybrid.cluster.placement import ReplicaShape, alive_nodes
 from rayhybrid.config.schema import Config
 from rayhybrid.errors import ConfigError
+from rayhybrid.topology import Layout
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,7 @@ def connect(cfg: Config) -> bool:
         log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
         return False
-    t = cfg.topology
-    ranks = t.dp * t.pp * t.tp
+    ranks = Layout.of(cfg).world_size
     num_cpus = cfg.cluster.num_cpus or max(int(ranks * cfg.cluster.cpus_per_rank + 0.999), os.cpu_count() or 1)
     # Ray warns on every local start that token authentication (its default) is on; keep the
     # default and the terminal quiet (RAY_AUTH_MODE still chooses).

@@ -10,6 +10,7 @@ import os
 
 from rayhybrid.config.schema import DATA_KINDS, DTYPES, SCHEDULES, Config
 from rayhybrid.errors import ConfigError
+from rayhybrid.topology import Layout
 
 DECAYS = ("cosine", "linear", "constant")
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
@@ -68,7 +69,7 @@ def validate(cfg: Config) -> None:
             "pad the vocabulary to a multiple of tp"
         )
 
-    virtual = t.stages_per_rank if t.pp > 1 else 1
+    virtual = Layout.of(cfg).virtual_stages
     if t.pp > 1 and t.schedule in ("gpipe", "1f1b") and t.stages_per_rank != 1:
         raise ConfigError(
             "topology.stages_per_rank",
@@ -77,7 +78,7 @@ def validate(cfg: Config) -> None:
         )
     if t.pp > 1 and t.schedule == "zbv" and t.stages_per_rank != 2:
         raise ConfigError("topology.stages_per_rank", "schedule zbv places exactly two stages per rank; set topology.stages_per_rank=2")
-    stages = t.pp * virtual
+    stages = Layout.of(cfg).num_stages
     if stages > m.n_layers:
         raise ConfigError(
             "topology.pp",

@@ -23,12 +23,6 @@ SCHEDULE_CLASSES = {
     "zbv": ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE = {"gpipe", "1f1b"}
-V_SHAPED = {"zbv"}
-
-
-def stage_style(schedule: str) -> str:
-    """How stages are assigned to ranks: `v` for V-shaped schedules, else `loop`."""
-    return "v" if schedule in V_SHAPED else "loop"
 
 
 def build_schedule(

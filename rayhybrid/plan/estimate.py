@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass, field
 
 from rayhybrid.config.schema import Config, ModelConfig
-from rayhybrid.models.gpt.model import num_params
+from rayhybrid.models.gpt.counts import num_params
 from rayhybrid.plan.schedule import rank_actions
-from rayhybrid.topology import split_layers, stage_ids
+from rayhybrid.topology import Layout
 
 FLOAT = 4  # float32: parameters, gradients, optimizer state, the residual stream, LayerNorm statistics
 BF16 = 2
@@ -201,14 +201,13 @@ class Stage:
 
 
 def num_stages(cfg: Config) -> int:
-    t = cfg.topology
-    return t.pp * (t.stages_per_rank if t.pp > 1 else 1)
+    return Layout.of(cfg).num_stages
 
 
 def stages(cfg: Config) -> list[Stage]:
     n = num_stages(cfg)
     out = []
-    for i, layers in enumerate(split_layers(cfg.model.n_layers, n)):
+    for i, layers in enumerate(Layout.of(cfg).stage_layers):
         first, last = i == 0, i == n - 1
         tensors = stage_param_tensors(cfg.model, cfg.data.seq_len, layers, first, last)
         out.append(Stage(i, layers, first, last, tuple(tensors)))
@@ -217,12 +216,7 @@ def stages(cfg: Config) -> list[Stage]:
 
 def owned_stages(cfg: Config, pp_rank: int) -> list[int]:
     """Global stage ids pipeline rank `pp_rank` holds (as the trainer assigns them)."""
-    from rayhybrid.parallel.pipeline import stage_style
-
-    t = cfg.topology
-    if t.pp == 1:
-        return [0]
-    return stage_ids(pp_rank, t.pp, t.stages_per_rank, stage_style(t.schedule))
+    return Layout.of(cfg).stages_of(pp_rank)
 
 
 # ------------------------------------------------------------------------------------------
@@ -329,8 +323,7 @@ _ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W":
 
 
 def _microbatches(cfg: Config) -> int:
-    t, tr = cfg.topology, cfg.train
-    return max(1, tr.global_batch_size // (t.dp * tr.micro_batch_size))
+    return max(1, Layout.of(cfg).num_microbatches)
 
 
 def _stage_cost(cfg: Config, stage: Stage, remote_prev: bool, remote_next: bool) -> _StageCost:
@@ -493,7 +486,7 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
         recv += m * bsd  # a V's turn (same rank): measured one set of buffers for both directions
 
     # Walk the schedule.
-    actions = rank_actions(t.schedule, t.pp, pp_rank, m, t.stages_per_rank if t.pp > 1 else 1)
+    actions = rank_actions(t.schedule, t.pp, pp_rank, m, Layout.of(cfg).virtual_stages)
     held = {sid: 0 for sid in owned}
     grads_on: set[int] = set()
     kept_logits = kept_sends = intermediates = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rayhybrid.config.schema import Config
 from rayhybrid.plan import estimate as est
-from rayhybrid.topology import Topology
+from rayhybrid.topology import Layout, Topology
 
 MB = est.MB
 
@@ -14,7 +14,7 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
     s = cfg.data.seq_len
     topo = Topology(t.dp, t.pp, t.tp)
     m = est._microbatches(cfg)
-    v = t.stages_per_rank if t.pp > 1 else 1
+    v = Layout.of(cfg).virtual_stages
     all_stages = est.stages(cfg)
     owned = {r: est.owned_stages(cfg, r) for r in range(t.pp)}
     shard = t.dp if (t.dp_shard and t.dp > 1) else 1

@@ -22,8 +22,8 @@ from rayhybrid.models.gpt.model import GPT, num_params
 from rayhybrid.models.gpt.parallelize import parallelize_gpt
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
-from rayhybrid.parallel.pipeline import build_schedule, stage_style
-from rayhybrid.topology import Topology, num_microbatches, split_layers, stage_ids
+from rayhybrid.parallel.pipeline import build_schedule
+from rayhybrid.topology import Layout
 from rayhybrid.trainer.data import build_stream, replica_shard
 from rayhybrid.trainer.memory import MemoryMeter
 from rayhybrid.trainer.optim import build_optimizer, lr_at, set_lr
@@ -37,7 +37,8 @@ class Trainer:
         self.cfg = cfg
         t = cfg.topology
         torch.manual_seed(cfg.seed)
-        self.topo = Topology(t.dp, t.pp, t.tp)
+        self.layout = Layout.of(cfg)
+        self.topo = self.layout.topology
         self.coord = self.topo.coord(rank)
         self.device = device
         self.mesh = build_mesh(t.dp, t.pp, t.tp, device)
@@ -45,15 +46,14 @@ class Trainer:
         # leaving it after a failure (see cluster/worker.py) closes its connections too.
         self.world_group = dist.new_group()
         self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
-        self.n_microbatches = num_microbatches(cfg.train.global_batch_size, t.dp, cfg.train.micro_batch_size)
-        self.replica_tokens = cfg.train.global_batch_size // t.dp * cfg.data.seq_len
+        self.n_microbatches = self.layout.num_microbatches
+        self.replica_tokens = self.layout.replica_batch_size * cfg.data.seq_len
         self.loss_parallel = t.use_loss_parallel(cfg.model.vocab_size)
 
         # Pipeline stages this rank owns, each keeping the full model's parameter names.
-        virtual = t.stages_per_rank if t.pp > 1 else 1
-        self.num_stages = t.pp * virtual
-        ranges = split_layers(cfg.model.n_layers, self.num_stages)
-        owned = stage_ids(self.coord.pp, t.pp, virtual, stage_style(t.schedule)) if t.pp > 1 else [0]
+        self.num_stages = self.layout.num_stages
+        ranges = self.layout.stage_layers
+        owned = self.layout.stages_of(self.coord.pp)
         self.stages = [(i, self._build_stage(i, ranges[i])) for i in owned]
         self.has_first = any(i == 0 for i, _ in self.stages)
         self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
