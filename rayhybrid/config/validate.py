@@ -10,6 +10,7 @@ import os
 
 from rayhybrid.config.schema import DATA_KINDS, DTYPES, SCHEDULES, Config
 from rayhybrid.errors import ConfigError
+from rayhybrid.fault import validate_faults
 from rayhybrid.topology import Layout
 
 DECAYS = ("cosine", "linear", "constant")
@@ -90,6 +91,7 @@ def validate(cfg: Config) -> None:
         _elastic(cfg)
     else:
         _batch_split(cfg, t.dp)
+    validate_faults(cfg)
 
     if d.name == "text" and m.vocab_size < 256:
         raise ConfigError("model.vocab_size", f"text data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}")

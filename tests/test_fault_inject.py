@@ -1,0 +1,310 @@
+"""Fault injection (`fault.inject*`, rayhybrid/fault.py): parsing, validation, the plan of what
+fires when, and the worker-side trigger. Pure: no Ray; the kill and hang triggers run in a
+throwaway `python -c` subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from rayhybrid.config.compose import compose, to_config
+from rayhybrid.config.compose import replace as replace_cfg
+from rayhybrid.config.schema import Config, FaultConfig
+from rayhybrid.config.validate import validate
+from rayhybrid.errors import ConfigError
+from rayhybrid.fault import KINDS, FaultPlan, InjectedFault, Injection, parse, trigger, validate_faults
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(topology: dict | None = None, **sections: dict) -> Config:
+    """The default config (150 steps, checkpoint every 50, one rank) with some fields changed."""
+    return replace_cfg(Config(), topology=topology or {}, **sections)
+
+
+def _error(cfg: Config) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)  # validate() runs validate_faults
+    assert "\n" not in str(info.value)  # one line for the CLI
+    return info.value
+
+
+def _python(code: str, **env: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": ROOT, **env}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+# Parsing ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("kill@5", Injection("kill", 5, None)),
+        ("hang@9:3", Injection("hang", 9, 3)),
+        ("raise@12", Injection("raise", 12, None)),
+        ("kill_save@6", Injection("kill_save", 6, None)),
+        ("kill_save@50:0", Injection("kill_save", 50, 0)),
+        (" raise@1:7 ", Injection("raise", 1, 7)),
+    ],
+)
+def test_parse_every_form(text, expected):
+    injection = parse(text)
+    assert injection == expected
+    assert str(injection) == text.strip()
+    assert injection.phase == ("save" if expected.kind == "kill_save" else "step")
+
+
+def test_record_is_a_metrics_event():
+    record = Injection("kill_save", 50, 2).record()
+    assert record == {"event": "fault_injected", "step": 50, "kind": "kill_save", "rank": 2, "phase": "save"}
+    assert json.loads(json.dumps(record)) == record
+
+
+@pytest.mark.parametrize("text", ["kill", "kill@", "kill@x", "@5", "kill@5:", "kill@5:-1", "kill@5:1:2", "", "kill 5"])
+def test_parse_rejects_malformed_entries(text):
+    with pytest.raises(ConfigError) as info:
+        parse(text)
+    assert info.value.setting == "fault.inject"
+    assert "KIND@STEP or KIND@STEP:RANK" in info.value.message and "kill@5" in info.value.message
+
+
+def test_parse_rejects_unknown_kind():
+    with pytest.raises(ConfigError) as info:
+        parse("explode@5")
+    assert info.value.setting == "fault.inject"
+    assert "unknown kind 'explode'" in info.value.message
+    assert all(kind in info.value.message for kind in KINDS)
+
+
+# Validation ------------------------------------------------------------------------------------
+
+
+def test_valid_faults_pass():
+    fault = {"inject": ("kill@1", "hang@9:0", "raise@150", "kill_save@50", "kill_save@150", "kill@50")}
+    validate(_cfg(fault=fault))
+    validate(_cfg(fault={"inject_rate": 1.0, "inject_kinds": KINDS}))
+    validate(_cfg(fault={"inject_rate": 0.0, "inject_kinds": ()}))  # no random faults: kinds unused
+
+
+@pytest.mark.parametrize("entry", ["kill@0", "kill@151", "hang@-3"])
+def test_step_out_of_range(entry):
+    err = _error(_cfg(fault={"inject": (entry,)}))
+    assert err.setting == "fault.inject" and "out of range" in err.message and "1..150" in err.message
+
+
+def test_kill_save_needs_a_checkpoint_step():
+    err = _error(_cfg(fault={"inject": ("kill_save@7",)}))
+    assert err.setting == "fault.inject" and "not a checkpoint step" in err.message
+    assert "checkpoint.every=50" in err.message
+    err = _error(_cfg(fault={"inject": ("kill_save@150",)}, checkpoint={"every": 0}))
+    assert "not a checkpoint step" in err.message and "checkpoint.every=0" in err.message
+    validate(_cfg(fault={"inject": ("kill_save@150",)}, checkpoint={"every": 40}))  # the final save
+
+
+def test_rank_must_exist_in_the_largest_world():
+    dp2_pp2 = {"dp": 2, "pp": 2}
+    validate(_cfg(dp2_pp2, fault={"inject": ("kill@5:3",)}))
+    err = _error(_cfg(dp2_pp2, fault={"inject": ("kill@5:4",)}))
+    assert err.setting == "fault.inject" and "rank 4 does not exist" in err.message and "at most 4 ranks" in err.message
+    # Elastic: the largest dp counts (elastic.max_dp=4 x tp 2 = 8 ranks).
+    elastic = {"enabled": True, "min_dp": 1, "max_dp": 4}
+    validate(_cfg({"dp": 1, "tp": 2}, elastic=elastic, fault={"inject": ("hang@5:7",)}))
+    err = _error(_cfg({"dp": 1, "tp": 2}, elastic=elastic, fault={"inject": ("hang@5:8",)}))
+    assert "at most 8 ranks" in err.message
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.5, float("nan")])
+def test_rate_outside_unit_interval(rate):
+    err = _error(_cfg(fault={"inject_rate": rate}))
+    assert err.setting == "fault.inject_rate" and "[0, 1]" in err.message
+
+
+def test_unknown_or_missing_random_kinds():
+    err = _error(_cfg(fault={"inject_kinds": ("kill", "boom")}))
+    assert err.setting == "fault.inject_kinds" and "unknown kind 'boom'" in err.message and "kill_save" in err.message
+    err = _error(_cfg(fault={"inject_rate": 0.1, "inject_kinds": ()}))
+    assert err.setting == "fault.inject_kinds" and "is empty" in err.message
+    err = _error(_cfg(fault={"inject_rate": 0.1, "inject_kinds": ("kill_save",)}, checkpoint={"every": 0}))
+    assert err.setting == "fault.inject_kinds" and "checkpoint.every=0" in err.message
+
+
+def test_two_faults_for_one_step_and_phase():
+    err = _error(_cfg(fault={"inject": ("kill@5", "hang@5:0")}))
+    assert err.setting == "fault.inject" and "'kill@5' and 'hang@5:0'" in err.message
+    assert "step phase of step 5" in err.message
+    err = _error(_cfg(fault={"inject": ("kill_save@50", "kill_save@50:0")}))
+    assert "save phase of step 50" in err.message
+    validate_faults(_cfg(fault={"inject": ("kill@50", "kill_save@50")}))  # different phases
+
+
+def test_command_line_form_composes():
+    cfg = to_config(
+        compose(
+            [
+                "fault.inject=[kill@5,hang@9:3,raise@12,kill_save@50]",
+                "fault.inject_rate=0.01",
+                "fault.inject_kinds=[kill,kill_save]",
+                "fault.inject_seed=7",
+            ]
+        )
+    )
+    assert tuple(cfg.fault.inject) == ("kill@5", "hang@9:3", "raise@12", "kill_save@50")
+    assert [parse(text) for text in cfg.fault.inject][1] == Injection("hang", 9, 3)
+    assert (cfg.fault.inject_rate, tuple(cfg.fault.inject_kinds), cfg.fault.inject_seed) == (
+        0.01,
+        ("kill", "kill_save"),
+        7,
+    )
+    validate(replace(cfg, topology=replace(cfg.topology, dp=4)))
+    err = _error(replace(cfg, topology=replace(cfg.topology, dp=2)))  # hang@9:3 on 2 ranks
+    assert "'hang@9:3': rank 3 does not exist" in err.message
+
+
+def test_defaults_inject_nothing():
+    fault = FaultConfig()
+    assert (fault.inject, fault.inject_rate, fault.inject_kinds, fault.inject_seed) == ((), 0.0, KINDS[:3], 0)
+    assert not FaultPlan(fault).active
+    assert all(FaultPlan(fault).due(step, "step", 4) is None for step in range(1, 100))
+
+
+# The plan --------------------------------------------------------------------------------------
+
+
+def test_planned_fault_fires_once_at_its_step_and_phase():
+    plan = FaultPlan(FaultConfig(inject=("kill@5:1", "kill_save@50:0")))
+    assert plan.active
+    assert plan.due(4, "step", 4) is None
+    assert plan.due(5, "save", 4) is None  # kill@5 belongs to the step, not to a save after it
+    assert plan.due(5, "step", 4) == Injection("kill", 5, 1)
+    assert plan.due(5, "step", 4) is None  # step 5 trained again after the recovery
+    assert plan.due(50, "step", 4) is None
+    assert plan.due(50, "save", 4) == Injection("kill_save", 50, 0)
+    assert plan.due(50, "save", 4) is None
+
+
+def test_drawn_rank_is_in_the_world_and_deterministic():
+    ranks = [FaultPlan(FaultConfig(inject=("raise@7",))).due(7, "step", 8).rank for _ in range(2)]
+    assert ranks[0] == ranks[1] and 0 <= ranks[0] < 8
+    others = {
+        FaultPlan(FaultConfig(inject=("raise@7",), inject_seed=seed)).due(7, "step", 8).rank for seed in range(20)
+    }
+    assert len(others) > 1  # the seed picks the rank
+
+
+def test_configured_rank_wraps_after_a_shrink():
+    config = FaultConfig(inject=("hang@9:3",))
+    assert FaultPlan(config).due(9, "step", 4).rank == 3
+    assert FaultPlan(config).due(9, "step", 2).rank == 1
+    assert FaultPlan(config).due(9, "step", 3).rank == 0
+
+
+def _sequence(plan: FaultPlan, steps: int = 2000, world: int = 8) -> list[Injection]:
+    fired = (plan.due(step, phase, world) for step in range(1, steps + 1) for phase in ("step", "save"))
+    return [injection for injection in fired if injection is not None]
+
+
+def test_random_faults_are_deterministic_for_a_seed():
+    config = FaultConfig(inject_rate=0.05, inject_seed=3)
+    first, second = _sequence(FaultPlan(config)), _sequence(FaultPlan(config))
+    assert first == second
+    assert first != _sequence(FaultPlan(replace(config, inject_seed=4)))
+    assert first != _sequence(FaultPlan(config, seed_offset=1))
+
+
+def test_random_faults_do_not_depend_on_the_hash_seed():
+    code = (
+        "from rayhybrid.config.schema import FaultConfig; from rayhybrid.fault import FaultPlan\n"
+        "plan = FaultPlan(FaultConfig(inject_rate=0.1, inject_seed=5, inject=('raise@3',)))\n"
+        "print([str(plan.due(s, 'step', 8)) for s in range(1, 60)])"
+    )
+    plan = FaultPlan(FaultConfig(inject_rate=0.1, inject_seed=5, inject=("raise@3",)))
+    here = str([str(plan.due(s, "step", 8)) for s in range(1, 60)])
+    out, err = _python(code, PYTHONHASHSEED="12345").communicate(timeout=30)
+    assert out.decode().strip() == here, err.decode()
+
+
+def test_random_faults_fire_at_the_rate_once_per_step():
+    plan = FaultPlan(FaultConfig(inject_rate=0.05, inject_kinds=("kill", "hang", "raise"), inject_seed=11))
+    fired = _sequence(plan)
+    assert 60 <= len(fired) <= 140  # 2000 steps x 0.05 = 100 expected
+    steps = [injection.step for injection in fired]
+    assert len(steps) == len(set(steps))
+    assert {injection.kind for injection in fired} == {"kill", "hang", "raise"}
+    assert {injection.phase for injection in fired} == {"step"}
+    assert all(0 <= injection.rank < 8 for injection in fired)
+    assert _sequence(plan) == []  # every draw was made: steps trained again do not fail again
+
+
+def test_random_kill_save_fires_only_in_saves():
+    fired = _sequence(FaultPlan(FaultConfig(inject_rate=0.05, inject_kinds=("kill", "kill_save"))))
+    by_phase = {phase: [i for i in fired if i.phase == phase] for phase in ("step", "save")}
+    assert by_phase["step"] and {i.kind for i in by_phase["step"]} == {"kill"}
+    assert by_phase["save"] and {i.kind for i in by_phase["save"]} == {"kill_save"}
+    only_save = _sequence(FaultPlan(FaultConfig(inject_rate=1.0, inject_kinds=("kill_save",))), steps=10)
+    assert [(i.step, i.phase) for i in only_save] == [(step, "save") for step in range(1, 11)]
+
+
+def test_planned_fault_takes_the_place_of_a_random_draw():
+    plan = FaultPlan(FaultConfig(inject=("hang@2:1",), inject_rate=1.0, inject_kinds=("raise",)))
+    assert [plan.due(step, "step", 4).kind for step in (1, 2, 3)] == ["raise", "hang", "raise"]
+
+
+def test_due_rejects_bad_arguments():
+    plan = FaultPlan(FaultConfig(inject=("kill@1",)))
+    with pytest.raises(ValueError):
+        plan.due(1, "forward", 4)
+    with pytest.raises(ValueError):
+        plan.due(1, "step", 0)
+
+
+# The trigger -----------------------------------------------------------------------------------
+
+
+def test_trigger_raise_is_a_picklable_injected_fault():
+    with pytest.raises(InjectedFault) as info:
+        trigger("raise", 3)
+    assert str(info.value) == "injected fault (fault.inject raise@3)"
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is InjectedFault and str(copy) == str(info.value) and (copy.kind, copy.step) == ("raise", 3)
+    assert isinstance(copy, RuntimeError)
+
+
+def test_trigger_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        trigger("explode", 1)
+
+
+@pytest.mark.parametrize("kind", ["kill", "kill_save"])
+def test_trigger_kill_kills_the_process(kind):
+    proc = _python(f"from rayhybrid.fault import trigger; trigger({kind!r}, 5); print('survived')")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, err.decode()
+    assert b"survived" not in out
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process state from /proc")
+def test_trigger_hang_stops_the_process():
+    proc = _python("from rayhybrid.fault import trigger; trigger('hang', 9); print('survived')")
+    try:
+        deadline = time.monotonic() + 30
+        while _state(proc.pid) != "T":
+            assert proc.poll() is None and time.monotonic() < deadline, "the process never stopped"
+            time.sleep(0.005)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL and b"survived" not in out
