@@ -1,21 +1,26 @@
-"""The driver loop: connect, place, start, train, report. No torch.distributed here.
+"""The driver: a small state machine over the worker group. No torch.distributed here.
 
     summary = Controller(cfg).run()
 
-Writes into `cfg.run_dir`: `metrics.jsonl` (one JSON object per optimizer step) and
-`summary.json` (at the end, also when the run fails).
+    Starting ──> Training ──(every step)──> Training ──(last step)──> Finished
+                  │    ▲  └─(checkpoint, more replicas placed)─> Resizing ─┐
+                  │    └──────────────────────────────────────────────────┘
+                  └─(a call failed)─> Recovering ──> Training, Starting (the start failed) or Failed
+
+Each state's handler is short; the rules live in pure policies (`rayhybrid.policy`): the failure
+policy says restart or give up, the scaling policy which replica slots to train on. The records
+(`rayhybrid.records`) have one writer, which keeps `metrics.jsonl` and `summary.json` in
+`cfg.run_dir`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
-import os
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import ray
 
@@ -25,387 +30,338 @@ from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config
 from rayhybrid.config.validate import usable_dps
-from rayhybrid.errors import PlacementError, RayHybridError, WorkerError
+from rayhybrid.errors import RayHybridError, RunFailed, WorkerError
+from rayhybrid.fault import FaultPlan, Injection
 from rayhybrid.observe import Observer
+from rayhybrid.policy import Failure, FailurePolicy, ScalingPolicy
+from rayhybrid.records import Interruption, RunLog, RunSummary
+from rayhybrid.topology import Layout
+
+__all__ = ["Controller", "RunFailed"]
 
 log = logging.getLogger("rayhybrid")
 
 
-class ProgressBar:
-    """A one-line bar redrawn on stderr, only when stderr is a terminal."""
-
-    def __init__(self, total: int, stream=None) -> None:
-        self.total = total
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
-        self.text = ""
-
-    def update(self, done: int, loss: float, eta_s: float) -> None:
-        width = 30
-        filled = int(width * done / max(1, self.total))
-        self.text = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} loss {loss:.4f} eta {_duration(eta_s)}"
-        self.draw()
-
-    def draw(self) -> None:
-        if self.enabled and self.text:
-            self.stream.write("\r\033[K" + self.text)
-            self.stream.flush()
-
-    def clear(self) -> None:
-        if self.enabled and self.text:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
+class State:
+    terminal: ClassVar[bool] = False
 
 
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+@dataclass(frozen=True)
+class Starting(State):
+    pending: Interruption | None = None  # a start that failed before: recorded after the first step
 
 
-class RunOutput:
-    """metrics.jsonl, step lines, progress bar and summary.json for one run directory."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-        self.dir = Path(cfg.run_dir or ".").resolve()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.dir / "metrics.jsonl"
-        self.metrics_file = open(self.metrics_path, "a", buffering=1)
-        self.bar = ProgressBar(cfg.train.steps)
-        self.history: list[dict] = []
-
-    def step(self, metrics: dict, elapsed_s: float) -> None:
-        metrics["time"] = time.time()  # wall clock when the driver had the step (for step-to-step intervals)
-        self.history.append(metrics)
-        self.metrics_file.write(json.dumps(metrics) + "\n")
-        step, total = metrics["step"], self.cfg.train.steps
-        if step % self.cfg.train.log_every == 0 or step == total or step == 1:
-            self.bar.clear()
-            extra = "".join(
-                f" | {name} {metrics[key]:.1%}" for key, name in (("mfu", "MFU"), ("bubble", "bubble"))
-                if metrics.get(key) is not None
-            )
-            log.info(
-                "step %*d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2fs/step%s",
-                len(str(total)), step, total, metrics["loss"], metrics["lr"], metrics["grad_norm"],
-                f"{metrics['tokens_per_s']:,.0f}", metrics["step_time_s"], extra,
-            )
-        eta = elapsed_s / max(1, len(self.history)) * (total - step)
-        self.bar.update(step, metrics["loss"], eta)
-
-    def event(self, record: dict) -> None:
-        """A non-step record in metrics.jsonl (has an "event" key: resume, restart, checkpoint)."""
-        self.metrics_file.write(json.dumps(record) + "\n")
-
-    def rewind(self, step: int) -> None:
-        """Forget steps after `step` (they will be trained again from a checkpoint), in memory
-        and in metrics.jsonl, so every step appears once with the values that count."""
-        self.history = [m for m in self.history if m["step"] <= step]
-        self.metrics_file.close()
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            record = json.loads(line)
-            if "event" in record or record["step"] <= step:
-                kept.append(line)
-        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.metrics_path)
-        self.metrics_file = open(self.metrics_path, "a", buffering=1)
-
-    def summary(self, summary: dict) -> dict:
-        self.bar.clear()
-        self.metrics_file.close()
-        path = self.dir / "summary.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, path)
-        return summary
+@dataclass(frozen=True)
+class Training(State):
+    step: int  # the last step completed
+    pending: Interruption | None = None  # a restart or resize, until its first step is done
 
 
-class RunFailed(RayHybridError):
-    """The run cannot go on (restarts exhausted, a failure that repeats); the message names the
-    cause and the last good checkpoint."""
+@dataclass(frozen=True)
+class Recovering(State):
+    error: WorkerError
+    interruption: Interruption
+    injected: bool  # the failing call carried a `fault.inject` fault
+
+
+@dataclass(frozen=True)
+class Resizing(State):
+    slots: list[int]
+    interruption: Interruption
+
+
+@dataclass(frozen=True)
+class Finished(State):
+    terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Failed(State):
+    error: RunFailed
+    terminal: ClassVar[bool] = True
 
 
 class Controller:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.group: WorkerGroup | None = None
         self.elastic = cfg.elastic.enabled
-        # An elastic run may use any of these dp values; a fixed one only topology.dp.
-        self.usable = usable_dps(cfg) if self.elastic else [cfg.topology.dp]
-        self.min_dp = min(d for d in self.usable if d >= cfg.elastic.min_dp) if self.elastic else None
+        usable = usable_dps(cfg) if self.elastic else [cfg.topology.dp]
+        min_dp = min(d for d in usable if d >= cfg.elastic.min_dp) if self.elastic else cfg.topology.dp
+        self.scaling = ScalingPolicy(usable, min_dp, self.elastic)
+        self.failures = FailurePolicy(cfg.fault.max_restarts)
+        self.faults = FaultPlan(cfg.fault)
+        self.failed_before: list[Failure] = []
+        self.group: WorkerGroup | None = None
+        self.shape = None
+        self.handlers = {
+            Starting: self.on_starting,
+            Training: self.on_training,
+            Recovering: self.on_recovering,
+            Resizing: self.on_resizing,
+        }
 
     def run(self) -> dict:
-        cfg, t = self.cfg, self.cfg.topology
-        start = time.perf_counter()
-        out = RunOutput(cfg)
-        ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out.dir / "checkpoints"
-        summary: dict = {
-            "status": "failed",
-            "steps": 0,
-            "final_loss": None,
-            "restarts": 0,
-            "topology": {
-                **dataclasses.asdict(t),
-                "world_size": t.dp * t.pp * t.tp,
-                "num_microbatches": cfg.train.global_batch_size // (t.dp * cfg.train.micro_batch_size),
-            },
-            "model": dataclasses.asdict(cfg.model),
-            "data": {"name": cfg.data.name, "seq_len": cfg.data.seq_len},
-            "global_batch_size": cfg.train.global_batch_size,
-            "micro_batch_size": cfg.train.micro_batch_size,
-            "run_dir": str(out.dir),
-            "checkpoint_dir": str(ckpt_root),
-            "recoveries": [],
-            "resizes": [],
-        }
+        cfg = self.cfg
+        self.log = RunLog(cfg)
+        self.ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else self.log.dir / "checkpoints"
+        self.summary = RunSummary(
+            topology={**dataclasses.asdict(cfg.topology), **Layout.of(cfg).summary()},
+            model=dataclasses.asdict(cfg.model),
+            data={"name": cfg.data.name, "seq_len": cfg.data.seq_len},
+            global_batch_size=cfg.train.global_batch_size,
+            micro_batch_size=cfg.train.micro_batch_size,
+            run_dir=str(self.log.dir),
+            checkpoint_dir=str(self.ckpt_root),
+        )
+        self.observer = Observer(cfg, self.log.dir)
         started_ray = False
-        self.observer = Observer(cfg, out.dir)
         try:
             started_ray = connect(cfg)
-            shape = resolve_shape(cfg)
-            check_capacity(shape, self.min_dp or t.dp)
-            if self.elastic:
-                self._announce_elastic()
-            log.info(
-                "rayhybrid: %s ranks = dp %s x pp %d x tp %d (%s, %s, %s micro-batches of %d) on %s",
-                t.dp * t.pp * t.tp if not self.elastic else "elastic", t.dp if not self.elastic else
-                f"{self.min_dp}..{self.usable[-1]}", t.pp, t.tp, t.schedule if t.pp > 1 else "no pipeline",
-                "FSDP2" if t.dp_shard else "replicated dp",
-                summary["topology"]["num_microbatches"] if not self.elastic else "G/(dp x mb)",
-                cfg.train.micro_batch_size, "GPU" if shape.use_gpu else "CPU",
-            )
-            self._train(shape, out, ckpt_root, summary, start)
-            history = out.history
-            summary.update(
-                status="completed",
-                steps=history[-1]["step"] if history else summary.get("resumed_step", 0),
-                initial_loss=history[0]["loss"] if history else None,
-                final_loss=history[-1]["loss"] if history else None,
-                consumed_samples=history[-1]["consumed_samples"] if history else None,
-                mean_tokens_per_s=_mean_throughput(history),
-            )
+            state: State = Starting()
+            while not state.terminal:
+                state = self.handlers[type(state)](state)
+            if isinstance(state, Failed):
+                raise state.error
+            self.summary.status = "completed"
         except KeyboardInterrupt:
-            summary.update(status="interrupted", error="interrupted by the user")
+            self.summary.status, self.summary.error = "interrupted", "interrupted by the user"
             raise
         except RayHybridError as err:
-            summary.update(status="failed", error=str(err))
+            self.summary.status, self.summary.error = "failed", str(err)
             raise
         finally:
-            if out.history and summary["status"] != "completed":
-                summary.update(steps=out.history[-1]["step"], final_loss=out.history[-1]["loss"])
-            summary["wall_s"] = round(time.perf_counter() - start, 3)
-            self.observer.close(summary, out.history)
-            out.summary(summary)
-            if self.group is not None:
-                self.group.shutdown(graceful=summary["status"] == "completed")
-            if started_ray:
-                ray.shutdown()
-        floor = summary.get("loss_floor")
+            self._close(started_ray)
+        s = self.summary
+        floor = s.workers.get("loss_floor")
         log.info(
-            "done: %d steps in %.1fs, loss %s -> %s%s%s; summary in %s",
-            summary["steps"], summary["wall_s"], _fmt(summary["initial_loss"]), _fmt(summary["final_loss"]),
-            f" (floor {floor:.4f})" if floor is not None else "",
-            f", {summary['restarts']} restart(s)" if summary["restarts"] else "", out.dir / "summary.json",
+            "done: %d steps in %.1fs, loss %s -> %s%s%s; summary in %s", s.steps, s.wall_s, _fmt(s.initial_loss),
+            _fmt(s.final_loss), f" (floor {floor:.4f})" if floor is not None else "",
+            f", {s.restarts} restart(s)" if s.restarts else "", self.log.dir / "summary.json",
         )
-        return summary
+        return self.summary.to_dict()
 
-    def _announce_elastic(self) -> None:
-        low, high = self.cfg.elastic.dp_range(self.cfg.topology.dp)
-        skipped = [d for d in range(low, high + 1) if d not in self.usable]
-        tr = self.cfg.train
-        log.info(
-            "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s", self.min_dp, self.usable[-1],
-            self.cfg.topology.pp, self.cfg.topology.tp, ", ".join(map(str, self.usable)),
-            f" (dp {', '.join(map(str, skipped))} cannot split global batch {tr.global_batch_size} into micro-batches "
-            f"of {tr.micro_batch_size}; the run uses the largest usable dp it can place)" if skipped else "",
-        )
+    # -- states ------------------------------------------------------------------------------
 
-    def _start(self, shape, ckpt_root: Path, out: RunOutput, summary: dict) -> tuple[int, dict]:
-        """Place and start a worker group (or, after a failure, recover the one there is, an
-        elastic one shrinking when replicas are gone), restore the latest checkpoint;
-        (step, timings)."""
-        timings = {}
-        if self.group is None:
-            self.group = WorkerGroup(self.cfg, shape, self.usable)
-            self.group.start(self.min_dp, timings)
-        else:
-            dp_before = self.group.dp
-            try:
-                timings["replaced_ranks"] = self.group.recover(timings, self.min_dp)
-            except PlacementError as err:  # the cluster lost capacity mid-run: not a config error
-                good = checkpoint_store.latest(ckpt_root)
-                raise RunFailed(
-                    f"{err.message}; last good checkpoint: {good.path if good else 'none'}"
-                ) from None
-            if self.group.dp != dp_before:
-                timings["resized"] = (dp_before, self.group.dp)
-        return self._restore(ckpt_root, out, summary, timings), timings
+    def on_starting(self, state: Starting) -> Training | Recovering:
+        """Place the replicas, start the workers on them and restore the latest checkpoint. A
+        start that fails leaves nothing behind."""
+        if self.shape is None:
+            self.shape = resolve_shape(self.cfg)
+            check_capacity(self.shape, self.scaling.min_dp)
+            self._announce()
+        group = WorkerGroup(self.cfg, self.shape, self.scaling.slots)
+        intr = state.pending or Interruption("restart", "", 0, 0)
+        mark = time.perf_counter()
+        slots = self.scaling.on_start(group.reserve(self.scaling.min_dp))
+        placed = time.perf_counter()
+        try:
+            group.rebuild(slots)
+        except WorkerError as err:
+            group.shutdown(graceful=False)
+            good = checkpoint_store.latest(self.ckpt_root)
+            return self._failed(err, good.step + 1 if good else 1, None)
+        self.group = group
+        intr.place_s, intr.init_s = placed - mark, time.perf_counter() - placed
+        step = self._restore(intr)
+        if self.summary.startup_s is None:
+            self.summary.startup_s = round(time.perf_counter() - self.log.started, 3)
+            w = self.summary.workers
+            log.info(
+                "started %d workers in %.1fs; %s parameters; run dir %s%s", len(group.workers),
+                self.summary.startup_s, f"{w['params']:,}", self.log.dir,
+                f"; data loss floor {w['loss_floor']:.4f}" if w["loss_floor"] is not None else "",
+            )
+        self.train_started = time.perf_counter()
+        return Training(step, state.pending and dataclasses.replace(intr, dp_after=group.dp))
 
-    def _restore(self, ckpt_root: Path, out: RunOutput, summary: dict, timings: dict) -> int:
-        """Load the latest checkpoint into the group (if any); returns its step."""
-        ckpt = checkpoint_store.latest(ckpt_root)
-        step = 0
-        if ckpt is None:
-            out.rewind(0)  # a failure before the first checkpoint: every step is trained again
-        else:
+    def on_training(self, state: Training) -> Training | Recovering | Resizing | Finished:
+        """One step; a checkpoint when one is due, and then perhaps a resize."""
+        step, group = state.step, self.group
+        if step >= self.cfg.train.steps:
+            self.summary.train_s = round(time.perf_counter() - self.train_started, 3)
+            return Finished()
+        inject = self._inject(step + 1, "step")
+        try:
+            (metrics,) = group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
+        except WorkerError as err:
+            return self._failed(err, step + 1, inject)
+        metrics = self.observer.step(metrics)
+        if state.pending is not None:
+            state.pending.close(metrics["step_time_s"])
+            self.log.interruption(state.pending, self.summary)
+        self.log.step(metrics)
+        step, last_step_at = metrics["step"], time.perf_counter()
+        if not self._checkpoint_due(step):
+            return Training(step)
+        inject = self._inject(step, "save")
+        try:
+            saved = group.save(str(self.ckpt_root), self.cfg.checkpoint.keep, self.cfg.fault.step_timeout_s, inject)
+        except WorkerError as err:
+            return self._failed(err, step + 1, inject)
+        self.log.event({"event": "checkpoint", "step": step, "path": saved["path"], "save_s": round(saved["save_s"], 3)})
+        self.summary.last_checkpoint = saved["path"]
+        slots = self.scaling.on_checkpoint(group.active, group.placed_slots()) if step < self.cfg.train.steps else None
+        if slots is None:
+            return Training(step)
+        cause = f"{len(slots) - len(group.active)} more replica(s) placed"
+        return Resizing(slots, Interruption("grow", cause, step, group.dp, save_s=saved["save_s"], since=last_step_at))
+
+    def on_resizing(self, state: Resizing) -> Training | Recovering:
+        """Grow onto the slots given, restarting from the checkpoint just written."""
+        intr, group = state.interruption, self.group
+        log.warning("resize dp %d -> %d at step %d: %s; restarting from the checkpoint just written",
+                    group.dp, len(state.slots), intr.step, intr.cause)
+        mark = time.perf_counter()
+        try:
+            group.rebuild(state.slots)
+        except WorkerError as err:
+            return self._failed(err, intr.step + 1, None)
+        intr.init_s, intr.dp_after = time.perf_counter() - mark, group.dp
+        return Training(self._restore(intr), intr)
+
+    def on_recovering(self, state: Recovering) -> Training | Starting | Failed:
+        """Keep the workers that survived, decide (restart or give up), replace what is gone
+        (an elastic run shrinks when replicas cannot be placed again), restore."""
+        intr, group = state.interruption, self.group
+        mark = time.perf_counter()
+        drained = group.drain() if group is not None else None
+        external = state.injected or bool(drained and drained.nodes_lost)
+        failure = Failure(intr.step, str(state.error), external)
+        decision = self.failures.decide(failure, self.failed_before, self.summary.restarts)
+        self.failed_before.append(failure)
+        if not decision.restart:
+            return Failed(RunFailed(f"{decision.reason}; {self._last_good()}"))
+        self.summary.restarts += 1
+        intr.restart = self.summary.restarts
+        log.warning("restart %d/%d: replacing the failed workers and restarting from %s", intr.restart,
+                    self.cfg.fault.max_restarts, self._last_good(short=True))
+        if group is None:  # the start failed: start again
+            return Starting(intr)
+        intr.teardown_s = time.perf_counter() - mark
+        mark = time.perf_counter()
+        wait_s = self.cfg.elastic.reschedule_timeout_s if self.elastic else self.cfg.cluster.placement_timeout_s
+        lost = group.wait_placed(drained.broken, wait_s)
+        slots = self.scaling.on_loss(group.active, lost)
+        if not slots:
+            return Failed(RunFailed(f"{self._why_not_placed(lost, wait_s)}; {self._last_good()}"))
+        intr.place_s = time.perf_counter() - mark
+        mark = time.perf_counter()
+        try:
+            group.rebuild(slots)
+        except WorkerError as err:
+            return self._failed(err, intr.step, None)
+        intr.init_s, intr.dp_after = time.perf_counter() - mark, group.dp
+        intr.replaced_ranks = sorted(drained.dead)
+        return Training(self._restore(intr), intr)
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def _failed(self, err: WorkerError, step: int, inject: Injection | None) -> Recovering:
+        """A call failed while training `step`: what the recovery starts from."""
+        log.warning("step %d failed: %s", step, err)
+        since = self.log.history[-1]["time"] if self.log.history else None
+        detect = max(0.0, time.time() - since) if since else 0.0
+        dp = self.group.dp if self.group is not None else 0
+        good = checkpoint_store.latest(self.ckpt_root)
+        intr = Interruption("restart", str(err), step, dp, resume_step=good.step if good else 0, detect_s=detect)
+        return Recovering(err, intr, injected=inject is not None)
+
+    def _restore(self, intr: Interruption) -> int:
+        """Load the latest checkpoint into the group (if any) and describe the group in the
+        summary; returns the step restored."""
+        group, ckpt, step = self.group, checkpoint_store.latest(self.ckpt_root), 0
+        if ckpt is not None:
             mark = time.perf_counter()
-            step = self.group.load(str(ckpt.path), ckpt.meta)
-            timings["restore_s"] = time.perf_counter() - mark + timings.get("restore_s", 0.0)
-            out.rewind(step)
-            written = ckpt.meta["topology"]
+            step = group.load(str(ckpt.path), ckpt.meta)
+            intr.restore_s += time.perf_counter() - mark
+            written, now = ckpt.meta["topology"], group.cfg.topology
             log.info(
                 "resuming from %s (step %d, %d samples consumed%s)", ckpt.path, step, ckpt.meta["consumed_samples"],
-                "" if all(written[k] == getattr(self.group.cfg.topology, k) for k in ("dp", "pp", "tp"))
+                "" if all(written[k] == getattr(now, k) for k in ("dp", "pp", "tp"))
                 else f"; written under dp{written['dp']}_pp{written['pp']}_tp{written['tp']}, resharded",
             )
-            out.event({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
-            summary.setdefault("resumed_from", str(ckpt.path))
-            summary["resumed_step"] = step
-        workers = [{**p, "pid": info.pid} for p, info in zip(self.group.placement(), self.group.infos)]
-        (out.dir / "workers.json").write_text(json.dumps(workers, indent=1) + "\n")
-        first = self.group.descriptions[0]
-        t = self.group.cfg.topology  # an elastic run's current dp
-        summary["topology"].update(
-            dp=t.dp, world_size=t.dp * t.pp * t.tp,
-            num_microbatches=self.cfg.train.global_batch_size // (t.dp * self.cfg.train.micro_batch_size),
-        )
-        self.observer.started(self.group.placement(), first["device_name"])
-        summary.update(
-            placement=self.group.placement(),
-            device_name=first["device_name"],
-            backend=first["backend"],
-            device=first["device"],
-            params=first["model_params"],
-            loss_floor=first["loss_floor"],
-        )
+            self.log.event({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
+            if self.summary.resumed_from is None:
+                self.summary.resumed_from = str(ckpt.path)
+            self.summary.resumed_step = step
+        intr.resume_step = step
+        self.log.rewind(step)  # steps after it are trained again (a failure before any checkpoint: all)
+        placement = group.placement()
+        self.log.write_json("workers.json", [{**p, "pid": info.pid} for p, info in zip(placement, group.infos)])
+        first = group.descriptions[0]
+        self.summary.topology.update(Layout.of(group.cfg).summary())
+        self.summary.workers = {
+            "placement": placement, "device_name": first["device_name"], "backend": first["backend"],
+            "device": first["device"], "params": first["model_params"], "loss_floor": first["loss_floor"],
+        }
+        self.observer.started(placement, first["device_name"])
         return step
 
-    def _train(self, shape, out: RunOutput, ckpt_root: Path, summary: dict, start: float) -> None:
-        cfg = self.cfg
-        every, steps = cfg.checkpoint.every, cfg.train.steps
-        failures: list[int] = []
-        recovery: dict | None = None
-        growth: dict | None = None
-        last_progress = time.perf_counter()
-        step = 0
-        while True:
-            try:
-                step, timings = self._start(shape, ckpt_root, out, summary)
-                if recovery is None:
-                    summary["startup_s"] = round(time.perf_counter() - start, 3)
-                    log.info(
-                        "started %d workers in %.1fs; %s parameters; run dir %s%s",
-                        len(self.group.workers), summary["startup_s"], f"{summary['params']:,}", out.dir,
-                        f"; data loss floor {summary['loss_floor']:.4f}" if summary["loss_floor"] is not None else "",
-                    )
-                train_start = time.perf_counter()
-                while step < steps:
-                    (metrics,) = self.group.train(1, timeout_s=cfg.fault.step_timeout_s)
-                    metrics = self.observer.step(metrics)
-                    step = metrics["step"]
-                    last_progress = time.perf_counter()
-                    if recovery is not None:
-                        resized = timings.pop("resized", None)
-                        recovery.update(timings, first_step_s=metrics["step_time_s"])
-                        recovery["total_s"] = last_progress - recovery.pop("_failed_at") + recovery["detect_s"]
-                        self._recovered(recovery, out, summary)
-                        if resized:
-                            self._resized(out, summary, step - 1, *resized, f"replica lost ({recovery['cause']})",
-                                          {**recovery, "resize_s": recovery["total_s"]})
-                        recovery = None
-                    if growth is not None:
-                        growth.update(timings, first_step_s=metrics["step_time_s"])
-                        growth["resize_s"] = last_progress - growth.pop("_last_step_at")
-                        self._resized(out, summary, step - 1, growth.pop("from"), self.group.dp, growth.pop("cause"), growth)
-                        growth = None
-                    out.step(metrics, time.perf_counter() - train_start)
-                    if every and (step % every == 0 or step == steps):
-                        saved = self.group.save(str(ckpt_root), cfg.checkpoint.keep, timeout_s=cfg.fault.step_timeout_s)
-                        out.event({"event": "checkpoint", "step": step, "path": saved["path"],
-                                   "save_s": round(saved["save_s"], 3)})
-                        summary["last_checkpoint"] = saved["path"]
-                        if self.elastic and step < steps:
-                            growth, timings = self._grow(ckpt_root, out, summary, step, last_progress, saved["save_s"])
-                summary["train_s"] = round(time.perf_counter() - train_start, 3)
-                return
-            except WorkerError as err:
-                growth = None
-                failed_at = time.perf_counter()
-                good = checkpoint_store.latest(ckpt_root)
-                where = f"last good checkpoint: {good.path} (step {good.step})" if good else "no checkpoint yet"
-                failures.append(step + 1)
-                log.warning("step %d failed: %s", step + 1, err)
-                if summary["restarts"] >= cfg.fault.max_restarts:
-                    raise RunFailed(
-                        f"giving up after {summary['restarts']} restart(s) (fault.max_restarts={cfg.fault.max_restarts}): "
-                        f"{err}; {where}"
-                    ) from None
-                if failures.count(step + 1) > 1:
-                    raise RunFailed(f"step {step + 1} failed twice, the same way it will again: {err}; {where}") from None
-                summary["restarts"] += 1
-                recovery = {
-                    "restart": summary["restarts"], "failed_step": step + 1, "cause": str(err),
-                    "resume_step": good.step if good else 0,
-                    "detect_s": failed_at - last_progress if recovery is None else 0.0,
-                    "_failed_at": failed_at,
-                }
-                log.warning(
-                    "restart %d/%d: replacing the failed workers and restarting from %s",
-                    summary["restarts"], cfg.fault.max_restarts, good.path if good else "the beginning",
-                )
+    def _inject(self, step: int, phase: str) -> Injection | None:
+        """The `fault.inject` fault due now, recorded before it fires."""
+        injection = self.faults.due(step, phase, Layout.of(self.group.cfg).world_size)
+        if injection is not None:
+            record = injection.record()
+            self.log.event(record)
+            self.summary.faults_injected.append(record)
+            log.warning("fault.inject: %s on rank %d at step %d (%s)", injection.kind, injection.rank, step, phase)
+        return injection
 
-    def _grow(self, ckpt_root: Path, out: RunOutput, summary: dict, step: int, last_step_at: float, save_s: float):
-        """At a checkpoint boundary (just saved): when more replicas are placed than in use and
-        a larger usable dp fits them, resize and restore the checkpoint. Returns (growth record,
-        timings) for the first step after, or (None, {})."""
-        group = self.group
-        spare = [slot for slot in group.placed_slots() if slot not in group.active]
-        new_dp = group.fit(group.dp + len(spare))
-        if new_dp <= group.dp:
-            return None, {}
-        old_dp = group.dp
-        cause = f"{len(spare)} more replica(s) placed"
-        log.warning("resize dp %d -> %d at step %d: %s; restarting from the checkpoint just written",
-                    old_dp, new_dp, step, cause)
-        timings = {"save_s": save_s}
-        group.resize(group.active + spare[: new_dp - old_dp], timings)
-        self._restore(ckpt_root, out, summary, timings)
-        return {"from": old_dp, "cause": cause, "_last_step_at": last_step_at}, timings
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
 
-    def _resized(self, out: RunOutput, summary: dict, step: int, old: int, new: int, cause: str, timing: dict) -> None:
-        keys = ("save_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s", "resize_s")
-        # `step`: the last step trained before the resize took effect (the checkpoint resumed from).
-        record = {"event": "resize", "step": step, "from_dp": old, "to_dp": new, "cause": cause,
-                  **{k: round(timing[k], 3) for k in keys if k in timing}}
-        summary["resizes"].append(record)
-        out.event(record)
-        log.warning(
-            "resized dp %d -> %d (%s): %.1fs from the last step before to the first step after", old, new, cause,
-            timing.get("resize_s", 0.0),
+    def _last_good(self, short: bool = False) -> str:
+        good = checkpoint_store.latest(self.ckpt_root)
+        if short:
+            return str(good.path) if good else "the beginning"
+        return f"last good checkpoint: {good.path} (step {good.step})" if good else "no checkpoint yet"
+
+    def _why_not_placed(self, lost: set[int], wait_s: float) -> str:
+        if not self.elastic:
+            return (f"{len(lost)} replica(s) lost workers and could not be placed again within {wait_s:g}s "
+                    "(cluster.placement_timeout_s); add nodes or raise cluster.placement_timeout_s")
+        left = len(self.group.active) - len(lost)
+        return (f"{left} replica(s) left after losing {len(lost)}, below elastic.min_dp={self.scaling.min_dp}; "
+                "add nodes or lower elastic.min_dp")
+
+    def _announce(self) -> None:
+        cfg, t, layout = self.cfg, self.cfg.topology, Layout.of(self.cfg)
+        usable = self.scaling.usable
+        if self.elastic:
+            low, high = cfg.elastic.dp_range(t.dp)
+            skipped = [d for d in range(low, high + 1) if d not in usable]
+            tr = cfg.train
+            log.info(
+                "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s", self.scaling.min_dp, usable[-1], t.pp,
+                t.tp, ", ".join(map(str, usable)),
+                f" (dp {', '.join(map(str, skipped))} cannot split global batch {tr.global_batch_size} into "
+                f"micro-batches of {tr.micro_batch_size}; the run uses the largest usable dp it can place)"
+                if skipped else "",
+            )
+        log.info(
+            "rayhybrid: %s ranks = dp %s x pp %d x tp %d (%s, %s, %s micro-batches of %d) on %s",
+            "elastic" if self.elastic else layout.world_size,
+            f"{self.scaling.min_dp}..{usable[-1]}" if self.elastic else t.dp, t.pp, t.tp,
+            t.schedule if t.pp > 1 else "no pipeline", "FSDP2" if t.dp_shard else "replicated dp",
+            "G/(dp x mb)" if self.elastic else layout.num_microbatches, cfg.train.micro_batch_size,
+            "GPU" if self.shape.use_gpu else "CPU",
         )
 
-    def _recovered(self, recovery: dict, out: RunOutput, summary: dict) -> None:
-        rounded = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in recovery.items()}
-        summary["recoveries"].append(rounded)
-        out.event({"event": "restart", **rounded})
-        log.warning(
-            "recovered from the failure at step %d in %.1fs (teardown %.1fs, place %.1fs, init %.1fs, restore %.1fs, "
-            "first step %.1fs)", recovery["failed_step"], recovery["total_s"], recovery.get("teardown_s", 0.0),
-            recovery.get("place_s", 0.0), recovery.get("init_s", 0.0), recovery.get("restore_s", 0.0),
-            recovery["first_step_s"],
-        )
+    def _close(self, started_ray: bool) -> None:
+        s = self.summary
+        s.finish(self.log.history)
+        s.wall_s = round(time.perf_counter() - self.log.started, 3)
+        figures = s.to_dict()
+        before = set(figures)
+        self.observer.close(figures, self.log.history)  # adds FLOP/s, MFU, bubble, memory, plots
+        s.figures = {k: v for k, v in figures.items() if k not in before}
+        self.log.close(s)
+        if self.group is not None:
+            self.group.shutdown(graceful=s.status == "completed")
+        if started_ray:
+            ray.shutdown()
 
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
-
-
-def _mean_throughput(history: list[dict]) -> float:
-    """Tokens/s over the steps after the first (which includes warm-up)."""
-    steady = history[1:] or history
-    seconds = sum(m["step_time_s"] for m in steady)
-    tokens = sum(m["tokens_per_s"] * m["step_time_s"] for m in steady)
-    return round(tokens / seconds, 1) if seconds > 0 and not math.isnan(tokens) else 0.0
-

@@ -26,7 +26,17 @@ class ConfigError(RayHybridError):
 
 
 class PlacementError(ConfigError):
-    """The cluster cannot place the requested ranks (now or ever)."""
+    """The cluster can never place the requested ranks (its nodes are too few or too small)."""
+
+
+class PlacementTimeout(RayHybridError):
+    """The cluster could not place the ranks in time (busy, or short of resources for now): a
+    runtime condition, not a config error."""
+
+
+class RunFailed(RayHybridError):
+    """The run cannot go on (restarts exhausted, a failure that repeats, replicas that cannot be
+    placed again); the message names the cause and the last good checkpoint."""
 
 
 class WorkerError(RayHybridError):

@@ -9,6 +9,8 @@ No dashboard anywhere: its agent takes a whole core of this 2-core machine.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 
 import ray
 from ray.cluster_utils import Cluster
@@ -30,3 +32,14 @@ def local_cluster(head_cpus: int, node_cpus: list[int]):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def lose_power(workers: list[dict], node_id: str) -> None:
+    """What a machine losing power adds to `remove_node(node, allow_graceful=False)`, which
+    kills only the node's raylet: the rank processes on it (`workers.json` entries) die at the
+    same moment. On their own they notice the raylet's death only a little later, and a short
+    run can finish first."""
+    for w in workers:
+        if w["node_id"] == node_id:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w["pid"], signal.SIGKILL)

@@ -8,7 +8,7 @@ import logging
 import time
 
 from rayhybrid.config.compose import load_config
-from rayhybrid.controller import ProgressBar, RunOutput
+from rayhybrid.records import ProgressBar, RunLog, RunSummary
 
 
 class FakeTerminal(io.StringIO):
@@ -32,12 +32,12 @@ def test_one_line_per_logged_step(tmp_path, caplog):
 
     cfg = load_config(["train.steps=4", "train.log_every=2"])
     cfg = dataclasses.replace(cfg, run_dir=str(tmp_path))
-    out = RunOutput(cfg)
+    out = RunLog(cfg)
     with caplog.at_level(logging.INFO, logger="rayhybrid"):
         for step in range(1, 5):
             out.step({"step": step, "loss": 3.0 / step, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0,
-                      "step_time_s": 0.1, "consumed_samples": 16 * step}, elapsed_s=0.1 * step)
-    out.summary({"status": "completed"})
+                      "step_time_s": 0.1, "consumed_samples": 16 * step})
+    out.close(RunSummary({}, {}, {}, 16, 4, str(tmp_path), "", status="completed"))
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
     assert [line.split("|")[0].strip() for line in logged] == ["step 1/4", "step 2/4", "step 4/4"]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

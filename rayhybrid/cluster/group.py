@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayhybrid.cluster.placement import ReplicaShape, create_replicas, placement_state, release
+from rayhybrid.cluster.placement import (
+    ReplicaShape,
+    create_replicas,
+    dead_nodes,
+    placement_state,
+    release,
+    wait_for_node_verdicts,
+)
 from rayhybrid.cluster.worker import CONTROL, TrainWorker, WorkerInfo
 from rayhybrid.config.schema import Config, with_dp
-from rayhybrid.errors import PlacementError, RankFailed, WorkerError
-from rayhybrid.topology import Topology
+from rayhybrid.errors import PlacementTimeout, RankFailed, WorkerError
+from rayhybrid.fault import Injection
+from rayhybrid.topology import Layout
 
 log = logging.getLogger(__name__)
 
@@ -28,30 +36,47 @@ START_GRACE_S = 2.0
 PING_TIMEOUT_S = 5.0
 
 
+@dataclass(frozen=True)
+class Drained:
+    """What a failed call left: the ranks whose workers are gone (dead, hung or on a lost
+    node; numbered in the world that failed) and the replica slots they belonged to."""
+
+    dead: frozenset[int]
+    broken: frozenset[int]
+    nodes_lost: frozenset[str]
+    """Nodes of dead workers that the cluster has declared dead."""
+
+
 class WorkerGroup:
     """`slots` replica placement groups (one per data-parallel replica the run may use) and the
-    actors of the `dp` replicas in use, in rank order (DESIGN invariant 1). Unused slots stay
-    reserved: while pending they show an autoscaler the demand, once placed they let the run
-    grow. A fixed-size run has `slots == dp`."""
+    actors of the replicas in use, in rank order (docs/design.md, invariant 1). Unused slots
+    stay reserved: while pending they show an autoscaler the demand, once placed they let the
+    run grow. A fixed-size run has `slots == dp`.
 
-    def __init__(self, cfg: Config, shape: ReplicaShape, usable_dps: list[int] | None = None) -> None:
+    Start, resize and recovery are made of the same pieces:
+
+        placed = group.reserve(needed)        # placement groups for every slot
+        group.rebuild(slots)                  # actors for exactly these slots, joined in order
+        drained = group.drain()               # after a failed call: what is dead, which slots
+        lost = group.wait_placed(drained.broken, timeout_s)   # slots not placed again in time
+    """
+
+    def __init__(self, cfg: Config, shape: ReplicaShape, slots: int | None = None) -> None:
         self.cfg = cfg
         self.shape = shape
-        self.usable = sorted(usable_dps or [cfg.topology.dp])
-        self.slots = self.usable[-1]
+        self.slots = slots or cfg.topology.dp
         self.groups: list = []  # placement group per slot
         self.active: list[int] = []  # the slot of each data-parallel replica in use
-        self.replicas: dict[int, list] = {}  # slot -> its pp*tp actors
+        self.replicas: dict[int, list] = {}  # slot -> its pp*tp actors (None: to be replaced)
         self.infos: list[WorkerInfo] = []
         self.descriptions: list[dict] = []
         self._actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(TrainWorker)
-        self._inflight: list = []  # the refs of the last call, for `recover`
+        self._inflight: list = []  # the refs of the last call, for `drain`
         self._hung = False  # whether that call failed by making no progress
 
     @property
-    def topology(self) -> Topology:
-        t = self.cfg.topology
-        return Topology(t.dp, t.pp, t.tp)
+    def layout(self) -> Layout:
+        return Layout.of(self.cfg)
 
     @property
     def dp(self) -> int:
@@ -61,136 +86,111 @@ class WorkerGroup:
     def workers(self) -> list:
         return [actor for slot in self.active for actor in self.replicas[slot]]
 
-    def fit(self, replicas: int) -> int:
-        """The largest usable dp with at most `replicas` replicas (0 if none)."""
-        return max((dp for dp in self.usable if dp <= replicas), default=0)
+    def start(self) -> None:
+        """A fixed-size group: reserve every slot, wait until all are placed, start on them."""
+        self.rebuild(self.reserve(self.slots))
 
-    def start(self, min_dp: int | None = None, timings: dict | None = None) -> None:
-        """Reserve every slot, wait (at most `cluster.placement_timeout_s`) until `min_dp` of them
-        are placed, start the largest usable dp on them, join the process group and build the
-        model. `timings` gets `place_s` and `init_s`."""
-        mark = time.perf_counter()
-        min_dp = self.slots if min_dp is None else min_dp
+    def reserve(self, needed: int) -> list[int]:
+        """Ask for a placement group per slot and wait (at most `cluster.placement_timeout_s`)
+        until `needed` of them are placed; returns the placed slots. Releases them all and
+        raises `PlacementError` when too few are placed in time."""
         self.groups = create_replicas(self.shape, self.slots)
         timeout = self.cfg.cluster.placement_timeout_s
         refs = [pg.ready() for pg in self.groups]
-        ready, rest = ray.wait(refs, num_returns=min_dp, timeout=timeout)
-        if len(ready) < min_dp:
-            release(self.groups)
-            raise PlacementError(
-                "cluster.placement_timeout_s",
-                f"only {len(ready)} of {min_dp} replicas could be placed within {timeout:g}s "
-                "(the cluster is busy or short of resources); free resources or raise cluster.placement_timeout_s",
+        ready, rest = ray.wait(refs, num_returns=needed, timeout=timeout)
+        if len(ready) < needed:
+            self.shutdown()
+            raise PlacementTimeout(
+                f"only {len(ready)} of {needed} replicas could be placed within {timeout:g}s "
+                "(cluster.placement_timeout_s; the cluster is busy or short of resources); "
+                "free resources or raise cluster.placement_timeout_s"
             )
         # The rest may be a moment behind (placed together); give them that moment, not more.
         ray.wait(rest, num_returns=len(rest), timeout=min(START_GRACE_S, timeout))
-        placed = self.placed_slots()
-        self.active = placed[: self.fit(len(placed))]
-        self.cfg = with_dp(self.cfg, len(self.active))
-        placed_at = time.perf_counter()
-        for slot in self.active:
-            self.replicas[slot] = self._spawn_replica(slot)
-        self._join()
-        if timings is not None:
-            timings.update(place_s=placed_at - mark, init_s=time.perf_counter() - placed_at)
+        return self.placed_slots()
 
     def placed_slots(self) -> list[int]:
         """Slots whose placement group is placed now (not pending, not being placed again)."""
         return [slot for slot, pg in enumerate(self.groups) if placement_state(pg) == "CREATED"]
 
-    def resize(self, slots: list[int], timings: dict | None = None) -> None:
-        """Use the replicas in `slots` (in this order): stop the actors of slots left out, start
-        actors in the new ones, and join them all again (ranks and dp change; a checkpoint
-        restores the state)."""
-        mark = time.perf_counter()
+    def rebuild(self, slots: list[int]) -> None:
+        """Train on the replicas in `slots` (in this order: replica i is data-parallel rank i):
+        stop the actors of slots left out, start actors where a slot has none or lost some,
+        and join them all in a new process group (ranks and dp may change; a checkpoint
+        restores the state). Every worker call is bounded in time (see `_join`)."""
         for slot in [s for s in self.active if s not in slots]:
-            for actor in self.replicas.pop(slot):
-                ray.kill(actor, no_restart=True)
+            self._stop(self.replicas.pop(slot))
         for slot in slots:
-            if slot not in self.replicas:
-                self.replicas[slot] = self._spawn_replica(slot)
-        self.active = list(slots)
-        self.cfg = with_dp(self.cfg, len(slots))
-        self._join()
-        if timings is not None:
-            timings["init_s"] = timings.get("init_s", 0.0) + time.perf_counter() - mark
-
-    def recover(self, timings: dict | None = None, min_dp: int | None = None) -> list[int]:
-        """After a failed call: keep every worker that still answers, replace the ones that died
-        or hung (in their own bundles, so the placement stays), and join them all again.
-
-        A replica whose placement group is not placed again within `elastic.reschedule_timeout_s`
-        (its node is gone for good) is dropped when `min_dp` allows it: the run shrinks to the
-        largest usable dp. Returns the ranks replaced (numbered before any shrink). `timings`
-        gets `teardown_s`, `place_s` and `init_s`."""
-        mark = time.perf_counter()
-        topo = self.topology
-        dead: set[int] = set()
-        if self._hung:
-            dead |= self._unresponsive()
-            for rank in dead:
-                ray.kill(self.workers[rank], no_restart=True)
-        # A worker whose call failed has left the process group, closing its connections; the
-        # peers blocked on it then fail too, in a cascade. `reset` runs after each worker's
-        # call has ended, and closes the connections of the workers whose call succeeded.
-        workers = self.workers
-        live = [rank for rank in range(len(workers)) if rank not in dead]
-        resets = {rank: workers[rank].reset.remote() for rank in live}
-        done, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=DRAIN_TIMEOUT_S)
-        for rank, ref in resets.items():
-            if ref not in done:
-                log.warning("rank %d did not leave the process group within %.0fs; replacing it", rank, DRAIN_TIMEOUT_S)
-                ray.kill(workers[rank], no_restart=True)
-                dead.add(rank)
-                continue
-            try:
-                ray.get(ref)
-            except RayError:
-                dead.add(rank)
-        _settle(self._inflight)
-        torn_down = time.perf_counter()
-
-        # Bundles whose node died are placed again by Ray, if the cluster has room.
-        broken = sorted({self.active[topo.coord(rank).dp] for rank in dead})
-        elastic = min_dp is not None
-        wait_s = self.cfg.elastic.reschedule_timeout_s if elastic else self.cfg.cluster.placement_timeout_s
-        refs = {slot: self.groups[slot].ready() for slot in broken}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s)
-        lost = [slot for slot, ref in refs.items() if ref not in ready]
-        if lost and not elastic:
-            raise PlacementError(
-                "cluster.placement_timeout_s",
-                f"{len(lost)} replica(s) lost workers and could not be placed again within {wait_s:g}s; "
-                "add nodes or raise cluster.placement_timeout_s",
-            )
-        placed = time.perf_counter()
-        for rank in sorted(dead):
-            slot, local = self.active[topo.coord(rank).dp], rank % (topo.pp * topo.tp)
-            self.replicas[slot][local] = None
-        keep = [slot for slot in self.active if slot not in lost]
-        keep = keep[: self.fit(len(keep))]
-        if len(keep) < (min_dp or 1):
-            raise PlacementError(
-                "elastic.min_dp",
-                f"{len(self.active) - len(lost)} replica(s) left after losing {len(lost)}, below elastic.min_dp={min_dp}",
-            )
-        for slot in [s for s in self.active if s not in keep]:  # dropped: stop what is left of it
-            for actor in self.replicas.pop(slot):
-                if actor is not None:
-                    ray.kill(actor, no_restart=True)
-        for slot in keep:
-            actors = self.replicas[slot]
+            actors = self.replicas.setdefault(slot, [None] * self.layout.topology.replica_size)
             for local, actor in enumerate(actors):
                 if actor is None:
                     actors[local] = self._spawn(slot, local)
-        self.active = keep
-        self.cfg = with_dp(self.cfg, len(keep))
+        self.active = list(slots)
+        self.cfg = with_dp(self.cfg, len(slots))
         self._join()
-        if timings is not None:
-            timings.update(teardown_s=torn_down - mark, place_s=placed - torn_down, init_s=time.perf_counter() - placed)
-        log.info("kept %d worker(s), replaced %d (ranks %s)", len(live) - len(dead & set(live)), len(dead),
-                 ",".join(map(str, sorted(dead))) or "none")
-        return sorted(dead)
+
+    def drain(self) -> Drained:
+        """After a failed call: every worker that still answers leaves the process group (a
+        worker whose call failed has left already, closing its connections, so the peers
+        blocked on it fail too, in a cascade); the ones that died, hang, or do not answer are
+        killed. Waits (bounded) until the cluster has decided about the nodes of the workers
+        that do not answer: a node that lost power is declared dead only after Ray's health
+        checks, and until then its placement group looks placed."""
+        topo = self.layout.topology
+        workers = self.workers
+        hung = self._unresponsive() if self._hung else set()
+        self._stop([workers[rank] for rank in hung])  # their connections close: blocked peers fail
+        dead = set(hung)
+        resets = {rank: workers[rank].reset.remote() for rank in range(len(workers)) if rank not in dead}
+        done, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=DRAIN_TIMEOUT_S)
+        unreachable = set()
+        for rank, ref in resets.items():
+            if ref not in done:
+                log.warning("rank %d did not leave the process group within %.0fs; replacing it", rank, DRAIN_TIMEOUT_S)
+                unreachable.add(rank)
+                continue
+            try:
+                ray.get(ref)
+            except ActorUnavailableError:  # its process cannot be reached, and Ray does not know why yet
+                unreachable.add(rank)
+            except RayError:
+                dead.add(rank)
+        dead |= unreachable
+        self._stop([workers[rank] for rank in dead - hung])
+        _settle(self._inflight)
+        self._inflight = []
+        suspects = {self.infos[rank].node_id for rank in unreachable}
+        nodes_lost = wait_for_node_verdicts(suspects, self.cfg.cluster.placement_timeout_s)
+        nodes_lost |= {self.infos[rank].node_id for rank in dead} & dead_nodes()
+        for rank in dead:
+            slot = self.active[topo.coord(rank).dp]
+            self.replicas[slot][rank % topo.replica_size] = None
+        log.info("kept %d worker(s), replacing %d (ranks %s)%s", len(workers) - len(dead), len(dead),
+                 ",".join(map(str, sorted(dead))) or "none",
+                 f"; {len(nodes_lost)} node(s) lost" if nodes_lost else "")
+        broken = frozenset(self.active[topo.coord(rank).dp] for rank in dead)
+        return Drained(frozenset(dead), broken, frozenset(nodes_lost))
+
+    def wait_placed(self, slots, timeout_s: float) -> set[int]:
+        """Wait until the placement groups of `slots` are placed (again: Ray places the bundles
+        of a dead node elsewhere when the cluster has room); returns the slots still not placed
+        after `timeout_s`."""
+        refs = {slot: self.groups[slot].ready() for slot in slots}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        return {slot for slot, ref in refs.items() if ref not in ready}
+
+    def recover(self) -> list[int]:
+        """Drain and rebuild on the same slots (a fixed-size group, as a tuning host keeps);
+        returns the ranks replaced."""
+        drained = self.drain()
+        lost = self.wait_placed(drained.broken, self.cfg.cluster.placement_timeout_s)
+        if lost:
+            raise PlacementTimeout(
+                f"{len(lost)} replica(s) lost workers and could not be placed again within "
+                f"{self.cfg.cluster.placement_timeout_s:g}s (cluster.placement_timeout_s); add nodes or raise it"
+            )
+        self.rebuild(self.active)
+        return sorted(drained.dead)
 
     def _unresponsive(self) -> set[int]:
         """Ranks whose process does not answer a ping (stopped, wedged, holding the GIL)."""
@@ -208,9 +208,6 @@ class WorkerGroup:
                 silent.add(rank)
         return silent
 
-    def _spawn_replica(self, slot: int) -> list:
-        return [self._spawn(slot, local) for local in range(self.shape.pp * self.shape.tp)]
-
     def _spawn(self, slot: int, local: int):
         """An actor for position `local` (stage-major) of the replica in `slot`."""
         strategy = PlacementGroupSchedulingStrategy(
@@ -226,29 +223,38 @@ class WorkerGroup:
     def _join(self) -> None:
         """Every worker takes its rank, joins a new process group (a fresh port) and builds its
         part of the model."""
-        workers = self.workers
-        self.infos = self._get([w.info.remote() for w in workers])
+        workers, timeout = self.workers, self._start_timeout_s
+        self.infos = self._get([w.info.remote() for w in workers], timeout, "start")
         gpus_by_node: dict[str, list[str]] = defaultdict(list)
         for info in self.infos:
             gpus_by_node[info.node_id].extend(info.gpu_ids)
-        master_port = self._get([workers[0].free_port.remote()])[0]
+        master_port = self._get([workers[0].free_port.remote()], timeout, "start")[0]
         master_addr = self.infos[0].ip
-        self.descriptions = self._get(
-            [
-                w.setup.remote(
-                    master_addr, master_port, tuple(sorted(set(gpus_by_node[info.node_id]), key=_gpu_key)),
-                    rank=rank, cfg=self.cfg,
-                )
-                for rank, (w, info) in enumerate(zip(workers, self.infos))
-            ]
-        )
-        self.infos = self._get([w.info.remote() for w in workers])  # with their new ranks
+        calls = [
+            w.setup.remote(master_addr, master_port, tuple(sorted(set(gpus_by_node[info.node_id]), key=_gpu_key)),
+                           rank=rank, cfg=self.cfg)
+            for rank, (w, info) in enumerate(zip(workers, self.infos))
+        ]
+        self.descriptions = self._get(calls, timeout, "setup")
+        self.infos = self._get([w.info.remote() for w in workers], timeout, "start")  # with their new ranks
 
-    def train(self, steps: int = 1, timeout_s: float | None = None) -> list[dict]:
+    @property
+    def _start_timeout_s(self) -> float:
+        """Starting a process, building a model or loading a checkpoint can take longer than a
+        step: bounded by whichever of the step and placement timeouts is longer."""
+        return max(self.cfg.fault.step_timeout_s, self.cfg.cluster.placement_timeout_s)
+
+    def _stop(self, actors: list) -> None:
+        for actor in actors:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+
+    def train(self, steps: int = 1, timeout_s: float | None = None, inject: Injection | None = None) -> list[dict]:
         """Run `steps` optimizer steps on every rank; returns rank 0's metrics per step.
-        A call that makes no progress for `timeout_s` counts as a failed (hung) worker."""
-        results = self._get([w.train.remote(steps) for w in self.workers], timeout_s=timeout_s, what="step")
-        per_replica = self.shape.pp * self.shape.tp
+        A call that makes no progress for `timeout_s` counts as a failed (hung) worker.
+        `inject`: a `fault.inject` fault for one rank to trigger at the start of the call."""
+        results = self._get(self._calls("train", inject, steps), timeout_s=timeout_s, what="step")
+        per_replica = self.layout.topology.replica_size
         merged = []
         for i, metrics in enumerate(results[0]):
             metrics = dict(metrics)
@@ -272,7 +278,7 @@ class WorkerGroup:
         the micro-batch size of a tuning trial); recovers the group first after a failed call."""
         t, now = cfg.topology, self.cfg.topology
         if (t.dp, t.pp, t.tp) != (now.dp, now.pp, now.tp):
-            raise ValueError("reconfigure keeps dp, pp and tp; use resize for another dp")
+            raise ValueError("reconfigure keeps dp, pp and tp; use rebuild for another dp")
         self.cfg = cfg
         if self._inflight and not all(_finished(ref) for ref in self._inflight) or self._failed():
             self.recover()
@@ -298,17 +304,24 @@ class WorkerGroup:
     def _failed(self) -> bool:
         return bool(self._inflight) and bool(self.errors())
 
-    def save(self, root: str, keep: int, timeout_s: float | None = None) -> dict:
-        return self._get([w.save.remote(root, keep) for w in self.workers], timeout_s=timeout_s, what="checkpoint save")[0]
+    def save(self, root: str, keep: int, timeout_s: float | None = None, inject: Injection | None = None) -> dict:
+        return self._get(self._calls("save", inject, root, keep), timeout_s=timeout_s, what="checkpoint save")[0]
+
+    def _calls(self, method: str, inject: Injection | None, *args) -> list:
+        """`method(*args)` on every worker, the injected fault's rank told to trigger it."""
+        return [
+            getattr(w, method).remote(*args, inject=inject.kind if inject and inject.rank == rank else None)
+            for rank, w in enumerate(self.workers)
+        ]
 
     def load(self, path: str, meta: dict) -> int:
-        return self._get([w.load.remote(path, meta) for w in self.workers])[0]
+        return self._get([w.load.remote(path, meta) for w in self.workers], self._start_timeout_s, "restore")[0]
 
     def placement(self) -> list[dict]:
         """Rank -> node and bundle, for logs, tests and the plan."""
         out = []
         for info in self.infos:
-            coord = self.topology.coord(info.rank)
+            coord = self.layout.topology.coord(info.rank)
             out.append(
                 {
                     "rank": info.rank,
@@ -324,15 +337,16 @@ class WorkerGroup:
         return out
 
     def shutdown(self, graceful: bool = True) -> None:
-        if self.workers and graceful:
+        """Stop every actor and release every placement group; safe on a half-built group."""
+        workers = [w for slot in self.replicas for w in self.replicas[slot] if w is not None]
+        if workers and graceful:
             try:
-                ray.get([w.close.remote() for w in self.workers], timeout=30)
+                ray.get([w.close.remote() for w in workers], timeout=30)
             except (RayError, TimeoutError):  # dead or hung workers: they are killed below
                 pass
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
+        self._stop(workers)
         release(self.groups)
-        self.replicas, self.active, self.groups = {}, [], []
+        self.replicas, self.active, self.groups, self._inflight = {}, [], [], []
 
     def _get(self, refs: list, timeout_s: float | None = None, what: str = "call") -> list:
         """`ray.get` that fails fast, naming the first rank whose call failed, or the first

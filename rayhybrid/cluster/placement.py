@@ -1,4 +1,4 @@
-"""Replica placement groups (DESIGN invariant 2): one data-parallel replica = one placement
+"""Replica placement groups (docs/design.md, invariant 2): one data-parallel replica = one placement
 group of `pp` bundles, each bundle holding the `tp` devices of one pipeline stage. A bundle never
 spans nodes, so every tensor-parallel group sits on one node by construction; strategy PACK keeps
 a replica's stages close together.
@@ -6,11 +6,15 @@ a replica's stages close together.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
+from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayhybrid.errors import PlacementError
 
@@ -43,6 +47,41 @@ class ReplicaShape:
 
 def alive_nodes() -> list[dict]:
     return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def dead_nodes() -> set[str]:
+    """Ids of the nodes the cluster has declared dead."""
+    return {node["NodeID"] for node in ray.nodes() if not node.get("Alive")}
+
+
+def wait_for_node_verdicts(suspects: set[str], timeout_s: float, probe_s: float = 5.0) -> set[str]:
+    """Of the nodes in `suspects` (hosts of workers that cannot be reached), the ones that are
+    dead. A node that lost power is declared dead only when Ray's health checks give up on it
+    (seconds to a minute); until then its placement groups look placed and an actor started
+    there never starts. A node that answers a probe task within `probe_s` is alive; for the
+    others, wait (at most `timeout_s`) for Ray's verdict."""
+    already = set(suspects) & dead_nodes()
+    suspects = set(suspects) - already
+    if not suspects:
+        return already
+    probes = {node: _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+              for node in suspects}
+    answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=probe_s)
+    silent = {node for node, ref in probes.items() if ref not in answered}
+    deadline = time.monotonic() + timeout_s
+    while silent - dead_nodes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for node in silent - dead_nodes():
+        log.warning("node %s does not answer but Ray still counts it alive after %.0fs", node[:12], timeout_s)
+    for ref in probes.values():
+        with contextlib.suppress(RayError):
+            ray.cancel(ref, force=True)
+    return already | (silent & dead_nodes())
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _probe() -> bool:
+    return True
 
 
 def bundles_that_fit(shape: ReplicaShape, nodes: list[dict]) -> int:

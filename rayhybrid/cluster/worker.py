@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import ray
 
+from rayhybrid import fault
 from rayhybrid.config.schema import Config
 from rayhybrid.errors import RankFailed
+from rayhybrid.topology import Layout
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,7 @@ class TrainWorker:
         """
         self.reset()
         if cfg is not None:
-            t = cfg.topology
-            self.cfg, self.world_size = cfg, t.dp * t.pp * t.tp
+            self.cfg, self.world_size = cfg, Layout.of(cfg).world_size
         if rank is not None:
             self.rank = rank
         return self._guarded(self._join, master_addr, master_port, visible_gpus)
@@ -123,15 +124,29 @@ class TrainWorker:
         self.trainer = Trainer(self.cfg, rank=self.rank, device=device)
         return self.trainer.describe()
 
-    def save(self, root: str, keep: int) -> dict:
-        return self._guarded(self.trainer.save_checkpoint, root, keep)
+    def save(self, root: str, keep: int, inject: str | None = None) -> dict:
+        """Write a checkpoint; `inject`: a `fault.inject` kind to trigger first (kill_save)."""
+        return self._guarded(self._injected(inject, self.trainer.save_checkpoint), root, keep)
 
     def load(self, path: str, meta: dict) -> int:
         self._guarded(self.trainer.load_checkpoint, path, meta)
         return self.trainer.step
 
-    def train(self, steps: int = 1) -> list[dict]:
-        return self._guarded(lambda: [self.trainer.train_step() for _ in range(steps)])
+    def train(self, steps: int = 1, inject: str | None = None) -> list[dict]:
+        """Train `steps` steps; `inject`: a `fault.inject` kind to trigger first (kill, hang, raise)."""
+        return self._guarded(self._injected(inject, lambda: [self.trainer.train_step() for _ in range(steps)]))
+
+    def _injected(self, kind: str | None, fn):
+        """`fn`, preceded by the injected fault `kind` (if any) in this process."""
+        if kind is None:
+            return fn
+
+        def run(*args):
+            # A save belongs to the step just trained; a train call to the step it trains.
+            fault.trigger(kind, self.trainer.step if kind == "kill_save" else self.trainer.step + 1)
+            return fn(*args)
+
+        return run
 
     def _guarded(self, fn, *args):
         """Run `fn`; on failure leave the process group (waking the peers blocked on this
