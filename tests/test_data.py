@@ -1,4 +1,4 @@
-"""The sample stream (DESIGN invariant 4): samples are a function of (data config, seed, index)
+"""The sample stream (docs/design.md, invariant 4): samples are a function of (data config, seed, index)
 alone, and dp rank r of step k reads its contiguous share of global samples [k*G, (k+1)*G)."""
 
 from __future__ import annotations

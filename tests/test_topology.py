@@ -1,4 +1,4 @@
-"""Pure topology math: rank <-> coordinates (DESIGN invariant 1), replicas, layer split,
+"""Pure topology math: rank <-> coordinates (docs/design.md, invariant 1), replicas, layer split,
 stage placement, micro-batch count (invariant 3)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hydra composition: `conf/` YAML over the schema dataclasses -> a validated, frozen `Config`.
 
-This package is the only one that imports Hydra/OmegaConf (DESIGN invariant 7).
+This package is the only one that imports Hydra/OmegaConf (docs/design.md, invariant 7).
 """
 
 from __future__ import annotations

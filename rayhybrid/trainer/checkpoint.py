@@ -2,7 +2,7 @@
 
 Every rank writes its own shards (DCP de-duplicates replicated tensors, so data-parallel
 replicas do not write copies); rank 0 publishes the directory with one rename after every rank
-has finished. State keys are the full model's parameter names (DESIGN invariant 5) and the
+has finished. State keys are the full model's parameter names (docs/design.md, invariant 5) and the
 optimizer state is flattened by those names, so a checkpoint loads under any dp/pp/tp: DCP
 reads each rank's slices of each tensor, whatever the saving layout was.
 """

@@ -1,4 +1,4 @@
-"""One deterministic sample stream addressed by global sample index (DESIGN invariant 4).
+"""One deterministic sample stream addressed by global sample index (docs/design.md, invariant 4).
 
 Sample `i` is a function of (data config, seed, i) alone, so step k reads global samples
 ``[k*G, (k+1)*G)`` and dp rank r reads its contiguous share, whatever dp is. Resume, restart

@@ -2,7 +2,7 @@
 
 `GPT(cfg, layer_ids=..., first=..., last=...)` builds one pipeline stage: the layers it owns sit
 in a ModuleDict keyed by their global index, so a stage's `state_dict()` names
-(`layers.5.attn.wq.weight`) are the same as in the whole model (DESIGN invariant 5).
+(`layers.5.attn.wq.weight`) are the same as in the whole model (docs/design.md, invariant 5).
 """
 
 from __future__ import annotations
