@@ -23,7 +23,11 @@ def add_node(cluster: Cluster, num_cpus: int):
 @contextlib.contextmanager
 def local_cluster(head_cpus: int, node_cpus: list[int]):
     """`head_cpus=0` keeps ranks off the driver's node, so removing any other node is safe."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+    # No metrics: after a node dies, Ray's metrics export keeps the GCS and the head's
+    # dashboard agent busy at a core each, which starves the (niced) ranks on this 2-core
+    # machine: steps 20 times slower, long enough to look hung.
+    head = {"num_cpus": head_cpus, "include_dashboard": False, "_system_config": {"enable_metrics_collection": False}}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = [add_node(cluster, cpus) for cpus in node_cpus]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)

@@ -1,0 +1,249 @@
+"""A fault soak: a seeded random sequence of faults over three runs on one 3-node Cluster.
+
+- fixed dp2_pp2_tp2: kills, a hang, a raise, a kill during a checkpoint save, two faults in
+  quick succession (`fault.inject`), and a node killed outright;
+- elastic replicas of tp2: a node removed gracefully and one killed outright, each coming back
+  (shrink, then grow), and an injected kill;
+- elastic replicas of pp2: random faults (`fault.inject_rate` with a seed) and a node lost.
+
+Every run completes; every sample is read exactly once, in order; every checkpoint resumed
+from had been published; the fixed-dp run's losses are bitwise equal to an uninterrupted run
+(float32), the elastic runs' within 1e-5 of a fixed-dp run (a dp change changes the order of
+the gradient all-reduce's additions, nothing else). The recovery time of each kind of fault is
+printed (`pytest -s`).
+
+A longer soak: `RAYHYBRID_SOAK_SCALE=3 python -m pytest -s tests/test_soak.py` (three times the
+steps and faults of each run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+import rayhybrid
+from rayhybrid import checkpoint_store
+from rayhybrid.config.compose import compose, to_config
+from rayhybrid.fault import FaultPlan
+from tests.clusters import add_node, local_cluster, lose_power
+from tests.test_recovery import in_background, losses
+
+pytestmark = pytest.mark.slow
+
+SEED = int(os.environ.get("RAYHYBRID_SOAK_SEED", "7"))
+SCALE = int(os.environ.get("RAYHYBRID_SOAK_SCALE", "1"))
+G = 12  # splits for dp 1, 2 and 3
+BASE = ["data.seq_len=32", f"train.global_batch_size={G}", "train.micro_batch_size=2", "checkpoint.every=2",
+        "checkpoint.keep=2", "fault.step_timeout_s=10", "fault.max_restarts=20", "train.warmup_steps=2"]
+ELASTIC = ["elastic.enabled=true", "elastic.min_dp=1", "elastic.max_dp=3", "elastic.reschedule_timeout_s=3"]
+REPORT: dict[str, list[float]] = {}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(head_cpus=0, node_cpus=[2, 2, 2]) as (c, _):
+        yield c
+    if REPORT:
+        print("\nrecovery time by kind of fault (s): kind  count  median  worst")
+        for kind, times in sorted(REPORT.items()):
+            print(f"  {kind:<22} {len(times):>3}  {statistics.median(times):6.1f}  {max(times):6.1f}")
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl as the run has written it so far (a line being written is left out)."""
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+
+def steps_done(run_dir: Path) -> list[dict]:
+    return [r for r in records(run_dir) if "event" not in r]
+
+
+def wait_for(predicate, what: str, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def ended(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").exists()
+
+
+def three_nodes(cluster) -> None:
+    """Three worker nodes of 2 CPUs, all free (a run before may have ended with one short)."""
+    alive = sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes())
+    for _ in range(3 - alive):
+        add_node(cluster, 2)
+    wait_for(lambda: ray.available_resources().get("CPU", 0) == 6, "the cluster's CPUs back")
+
+
+def node_hosting(run_dir: Path, cluster, dp: int):
+    workers = json.loads((run_dir / "workers.json").read_text())
+    node_id = next(w["node_id"] for w in workers if w["dp"] == dp)
+    return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+
+
+def lose_nodes(cluster, run_dir: Path, plan: list[tuple[int, bool]], elastic: bool) -> list[tuple[int, str]]:
+    """While the run trains (in a background thread): at each (step, graceful) of `plan`,
+    remove the node of the last replica, wait until the run has recovered, add a node back
+    and (elastic) wait until the run has grown back to 3 replicas. Returns (the step that
+    failed, what happened) for each. Runs in the main thread: Ray's Cluster sets signal
+    handlers when it adds a node."""
+    happened = []
+    for at_step, graceful in plan:
+        wait_for(lambda step=at_step: len(steps_done(run_dir)) >= step or ended(run_dir), f"step {at_step}")
+        if ended(run_dir):
+            break  # the test then fails on what the run says
+        last = steps_done(run_dir)[-1]
+        restarts = len([r for r in records(run_dir) if r.get("event") == "restart"])
+        victim = node_hosting(run_dir, cluster, last["dp"] - 1)
+        workers = json.loads((run_dir / "workers.json").read_text())
+        cluster.remove_node(victim, allow_graceful=graceful)
+        if not graceful:
+            lose_power(workers, victim.node_id)
+        happened.append((last["step"] + 1, "node lost gracefully" if graceful else "node killed outright"))
+        wait_for(lambda n=restarts: ended(run_dir) or len([r for r in records(run_dir) if r.get("event") == "restart"]) > n,
+                 "the recovery")
+        add_node(cluster, 2)
+        if elastic:
+            wait_for(lambda: ended(run_dir) or steps_done(run_dir)[-1]["dp"] == 3,
+                     "the grow back to dp 3")
+    return happened
+
+
+def check_run(run_dir: Path, summary: dict, steps: int) -> None:
+    """Completed; each step once; samples read exactly once, in order; only published
+    checkpoints were resumed from."""
+    assert summary["status"] == "completed" and summary["steps"] == steps, summary.get("error")
+    done = steps_done(run_dir)
+    assert [r["step"] for r in done] == list(range(1, steps + 1))
+    for r in done:
+        expected = G * (r["step"] - 1)
+        assert sum(count for _, count in r["samples"]) == G
+        for start, count in r["samples"]:
+            assert start == expected
+            expected += count
+    published = set()
+    for r in records(run_dir):
+        if r.get("event") == "checkpoint":
+            published.add(r["path"])
+        if r.get("event") == "resume":
+            assert r["checkpoint"] in published, f"resumed from {r['checkpoint']}, never published"
+    ckpt_root = Path(summary["checkpoint_dir"])
+    assert not list(ckpt_root.glob(checkpoint_store.TMP_PREFIX + "*")), "a partial checkpoint was left"
+    assert checkpoint_store.latest(ckpt_root).step == steps
+
+
+def tally(run_dir: Path, summary: dict, node_log: list) -> list[str]:
+    """The kind of fault behind each restart (injected, or a node loss), into REPORT."""
+    # A failure belongs to the step being trained; a kill in a save, to the step after the save.
+    injected = {r["step"] + (r["phase"] == "save"): r["kind"] for r in summary["faults_injected"]}
+    nodes = dict(node_log)
+    kinds = []
+    for rec in summary["recoveries"]:
+        kind = injected.get(rec["failed_step"]) or nodes.get(rec["failed_step"]) or "other"
+        kind = "kill in checkpoint save" if kind == "kill_save" else kind
+        REPORT.setdefault(kind, []).append(rec["total_s"])
+        kinds.append(kind)
+    return kinds
+
+
+def fixed_run_plan(rng: random.Random, steps: int, offset: int = 0) -> tuple[list[str], int]:
+    """Kill, hang, raise, a kill during a save and two kills in quick succession (one step
+    apart) at random steps, and the step after which a node is killed outright; no two close
+    enough to fall into one recovery."""
+    node = rng.randrange(5, steps - 3)
+    free = [s for s in range(3, steps) if not node - 1 <= s <= node + 2]
+    save = rng.choice([s for s in free if s % 2 == 0 and s + 1 in free])
+    free = [s for s in free if s not in (save, save + 1)]
+    pair = rng.choice([s for s in free if s + 1 in free])
+    free = [s for s in free if not pair - 1 <= s <= pair + 2]
+    kill, hang, raise_ = rng.sample(free, 3)
+    kill, hang, raise_, save, pair, node = (step + offset for step in (kill, hang, raise_, save, pair, node))
+    ranks = [rng.randrange(8) for _ in range(5)]  # dp2_pp2_tp2 has 8 ranks
+    faults = [f"kill@{kill}:{ranks[0]}", f"hang@{hang}:{ranks[1]}", f"raise@{raise_}", f"kill_save@{save}:{ranks[2]}",
+              f"kill@{pair}:{ranks[3]}", f"kill@{pair + 1}:{ranks[4]}"]
+    return faults, node
+
+
+def test_fixed_dp2_pp2_tp2(cluster, tmp_path):
+    rng = random.Random(SEED)
+    stretch = 16
+    steps = stretch * SCALE
+    overrides = [*BASE, "+topology=dp2_pp2_tp2", "cluster.cpus_per_rank=0.5", f"train.steps={steps}"]
+    faults, node_plan = [], []
+    for k in range(SCALE):  # a longer soak repeats the pattern in each stretch of the run
+        stretch_faults, node = fixed_run_plan(rng, stretch, offset=stretch * k)
+        faults += stretch_faults
+        node_plan.append((node, False))
+    reference = rayhybrid.train(overrides, run_dir=tmp_path / "ref")
+    run_dir = tmp_path / "run"
+    thread, result = in_background([*overrides, f"fault.inject=[{','.join(faults)}]"], run_dir)
+    node_log = lose_nodes(cluster, run_dir, node_plan, elastic=False)
+    thread.join(timeout=900)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    check_run(run_dir, summary, steps)
+    assert len(summary["faults_injected"]) == len(faults)
+    kinds = tally(run_dir, summary, node_log)
+    assert summary["restarts"] == len(faults) + len(node_plan), kinds  # one recovery each
+    assert losses(run_dir) == losses(Path(reference["run_dir"]))  # bitwise
+
+
+@pytest.fixture(scope="module")
+def dp1_reference(tmp_path_factory):
+    steps = 16 * SCALE
+    summary = rayhybrid.train([*BASE, f"train.steps={steps}"], run_dir=tmp_path_factory.mktemp("dp1"))
+    return losses(Path(summary["run_dir"]))
+
+
+def test_elastic_tp2_replicas(cluster, tmp_path, dp1_reference):
+    rng = random.Random(SEED + 1)
+    steps = 16 * SCALE
+    three_nodes(cluster)
+    kill_at = rng.randrange(3, 6)
+    overrides = [*BASE, *ELASTIC, "topology.tp=2", "topology.dp=3", f"train.steps={steps}",
+                 f"fault.inject=[kill@{kill_at}]"]
+    run_dir = tmp_path / "run"
+    thread, result = in_background(overrides, run_dir)
+    plan = [(rng.randrange(6, 8), True), (rng.randrange(10 * SCALE, 12 * SCALE), False)]
+    node_log = lose_nodes(cluster, run_dir, plan, elastic=True)
+    thread.join(timeout=900)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    check_run(run_dir, summary, steps)
+    tally(run_dir, summary, node_log)
+    assert [(r["from_dp"], r["to_dp"]) for r in summary["resizes"]] == [(3, 2), (2, 3), (3, 2), (2, 3)]
+    assert losses(run_dir) == pytest.approx(dp1_reference, rel=1e-5)
+
+
+def test_elastic_pp2_replicas_random_faults(cluster, tmp_path, dp1_reference):
+    rng = random.Random(SEED + 2)
+    steps = 16 * SCALE
+    three_nodes(cluster)
+    overrides = [*BASE, *ELASTIC, "topology.pp=2", "topology.dp=3", f"train.steps={steps}",
+                 "fault.inject_rate=0.15", f"fault.inject_seed={SEED}", "fault.inject_kinds=[kill,raise,kill_save]"]
+    # The node goes at a step no random fault is near, so the two make two recoveries.
+    plan = FaultPlan(to_config(compose(overrides)).fault)
+    drawn = {step for step in range(1, steps + 1) for phase in ("step", "save") if plan.due(step, phase, 6)}
+    node = rng.choice([s for s in range(5, steps - 3) if not drawn & set(range(s - 1, s + 3))])
+    run_dir = tmp_path / "run"
+    thread, result = in_background(overrides, run_dir)
+    node_log = lose_nodes(cluster, run_dir, [(node, True)], elastic=True)
+    thread.join(timeout=900)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    check_run(run_dir, summary, steps)
+    kinds = tally(run_dir, summary, node_log)
+    assert len(summary["faults_injected"]) >= 2, "the seed should draw at least two random faults"
+    assert summary["restarts"] == len(summary["faults_injected"]) + 1, kinds
+    assert losses(run_dir) == pytest.approx(dp1_reference, rel=1e-5)
