@@ -42,7 +42,9 @@ def main() -> None:
         ms = statistics.median(times) * 1e3
         rows.append({"bytes": size, "ms": ms, "mb_per_s": size / 2**20 / (ms / 1e3)})
     if dist.get_rank() == 0:
-        print(json.dumps({"backend": dist.get_backend(), "world_size": dist.get_world_size(), "rows": rows}), flush=True)
+        print(
+            json.dumps({"backend": dist.get_backend(), "world_size": dist.get_world_size(), "rows": rows}), flush=True
+        )
     dist.destroy_process_group()
 
 

@@ -45,8 +45,12 @@ class Run:
         self.launched = time.perf_counter()
         self.first_step_s: float | None = None
         self.proc = subprocess.Popen(
-            [PY, "-m", module, *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env(),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [PY, "-m", module, *overrides, f"hydra.run.dir={run_dir}"],
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         self.output: list[str] = []
         self._reader = threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True)
@@ -103,8 +107,13 @@ def baselines_at_once(jobs: list[tuple[str, list[str], list[str] | None]], timeo
         path = ROOT / "benchmarks" / script
         path = path if path.exists() else ROOT / "benchmarks" / "baselines" / script
         cmd = [*(launcher or [PY]), str(path), *args]
-        procs.append((cmd, time.time(), subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                                                         stderr=subprocess.PIPE, text=True)))
+        procs.append(
+            (
+                cmd,
+                time.time(),
+                subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            )
+        )
     results = []
     for cmd, launched, proc in procs:
         out, err = proc.communicate(timeout=timeout)

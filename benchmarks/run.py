@@ -44,7 +44,10 @@ def scaling(tmp: Path, quick: bool) -> dict:
             _, records, _ = common.train([*base, *extra], tmp / f"scaling-{r}-{i}")
             times[name] += [x["step_time_s"] for x in records[2:]]
     one = statistics.median(times["1 rank"])
-    rows = [{"case": name, "step_s": statistics.median(t), "speedup": one / statistics.median(t)} for name, t in times.items()]
+    rows = [
+        {"case": name, "step_s": statistics.median(t), "speedup": one / statistics.median(t)}
+        for name, t in times.items()
+    ]
     # The ceiling: two independent one-rank jobs at once, against one alone (the same launcher).
     args = [*MODEL, "train.global_batch_size=16", "train.micro_batch_size=2", "--steps", str(steps)]
     alone = common.baseline("torchrun_train.py", args, launcher=common.torchrun(1))
@@ -52,8 +55,16 @@ def scaling(tmp: Path, quick: bool) -> dict:
     alone_s = statistics.median(alone["step_times_s"][2:])
     pair_s = statistics.median([t for r in pair for t in r["step_times_s"][2:]])
     allreduce = common.baseline("allreduce.py", [], launcher=common.torchrun(2))
-    return {"rows": rows, "ceiling": 2 * alone_s / pair_s, "alone_step_s": alone_s, "pair_step_s": pair_s,
-            "allreduce": allreduce["rows"], "backend": allreduce["backend"], "steps": steps, "rounds": rounds}
+    return {
+        "rows": rows,
+        "ceiling": 2 * alone_s / pair_s,
+        "alone_step_s": alone_s,
+        "pair_step_s": pair_s,
+        "allreduce": allreduce["rows"],
+        "backend": allreduce["backend"],
+        "steps": steps,
+        "rounds": rounds,
+    }
 
 
 def overhead(tmp: Path, quick: bool) -> dict:
@@ -70,22 +81,30 @@ def overhead(tmp: Path, quick: bool) -> dict:
         theirs: dict[str, list[float]] = {"step": [], "wall": [], "runs": []}
         for i in range(2 * pairs):
             if i % 4 in (0, 3):  # A B B A: each launcher goes first as often as second
-                _, records, _ = common.train([*base, *QUIET, f"+topology={topo}", f"train.steps={steps}"],
-                                             tmp / f"overhead-{topo}-{i}")
+                _, records, _ = common.train(
+                    [*base, *QUIET, f"+topology={topo}", f"train.steps={steps}"], tmp / f"overhead-{topo}-{i}"
+                )
                 ours["step"] += [r["step_time_s"] for r in records[2:]]
                 ours["runs"].append(statistics.median(r["step_time_s"] for r in records[2:]))
                 ours["wall"] += common.intervals([r["time"] for r in records[1:]])
                 losses = [r["loss"] for r in records]
             else:
-                r = common.baseline("torchrun_train.py", [*base, f"+topology={topo}", "--steps", str(steps)],
-                                    launcher=common.torchrun(2))
+                r = common.baseline(
+                    "torchrun_train.py",
+                    [*base, f"+topology={topo}", "--steps", str(steps)],
+                    launcher=common.torchrun(2),
+                )
                 theirs["step"] += r["step_times_s"][2:]
                 theirs["runs"].append(statistics.median(r["step_times_s"][2:]))
                 theirs["wall"] += common.intervals(r["step_walls"][1:])
                 ref = r["losses"]
         # Each run's median in-step time, in the order run: how much the machine moved meanwhile.
-        row = {"case": topo, "same_losses": _close(ref, losses), "rayhybrid_runs_s": ours["runs"],
-               "torchrun_runs_s": theirs["runs"]}
+        row = {
+            "case": topo,
+            "same_losses": _close(ref, losses),
+            "rayhybrid_runs_s": ours["runs"],
+            "torchrun_runs_s": theirs["runs"],
+        }
         for key in ("step", "wall"):
             row[f"rayhybrid_{key}_s"] = statistics.median(ours[key])
             row[f"torchrun_{key}_s"] = statistics.median(theirs[key])
@@ -107,26 +126,50 @@ def startup(tmp: Path, quick: bool) -> dict:
     for ranks, topo in ((1, []), (8, ["topology.dp=8"])):
         _, _, first = common.train([*tiny, *topo], tmp / f"startup-{ranks}")
         theirs = common.baseline("raytrain_train.py", [*tiny, *topo, "--steps", "2", "--num-workers", str(ranks)])
-        rows.append({"ranks": ranks, "rayhybrid_s": first, "raytrain_s": theirs["first_step_wall"] - theirs["launched_wall"],
-                     "raytrain_startup": {"ray_init_s": theirs["ray_init_s"], **theirs["startup"]}})
+        rows.append(
+            {
+                "ranks": ranks,
+                "rayhybrid_s": first,
+                "raytrain_s": theirs["first_step_wall"] - theirs["launched_wall"],
+                "raytrain_startup": {"ray_init_s": theirs["ray_init_s"], **theirs["startup"]},
+            }
+        )
     return {"rows": rows}
 
 
 def recovery(tmp: Path, quick: bool) -> dict:
     """kill -9 of rank 5 of dp2_pp2_tp2 mid-run: seconds to the first step after, broken down;
     against Ray Train with FailureConfig (8 DDP workers, a checkpoint every step)."""
-    overrides = ["+topology=dp2_pp2_tp2", "train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=32",
-                 "checkpoint.every=3", "train.steps=10", "train.log_every=100"]
+    overrides = [
+        "+topology=dp2_pp2_tp2",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "data.seq_len=32",
+        "checkpoint.every=3",
+        "train.steps=10",
+        "train.log_every=100",
+    ]
     run = common.Run(overrides, tmp / "recovery")
     run.wait_for_step(5)
     run.kill_rank(5)
     summary = run.finish()
     (rec,) = summary["recoveries"]
-    ours = {k: rec.get(k) for k in ("total_s", "detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")}
+    ours = {
+        k: rec.get(k) for k in ("total_s", "detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")
+    }
     theirs = common.baseline(
         "raytrain_train.py",
-        ["train.global_batch_size=8", "train.micro_batch_size=1", "data.seq_len=32", "--num-workers", "8", "--steps", "10",
-         "--kill-at", "5"],
+        [
+            "train.global_batch_size=8",
+            "train.micro_batch_size=1",
+            "data.seq_len=32",
+            "--num-workers",
+            "8",
+            "--steps",
+            "10",
+            "--kill-at",
+            "5",
+        ],
     )
     return {"rayhybrid": ours, "raytrain": theirs}
 
@@ -167,11 +210,21 @@ def batch_search(tmp: Path, quick: bool) -> dict:
                     best = search.best
                 else:
                     best = _lightning_binsearch(
-                        lambda m, budget=budget: not (r := trial(m))["oom"] and not r["error"] and r["peak_mb"] <= budget,
+                        lambda m, budget=budget: (
+                            not (r := trial(m))["oom"] and not r["error"] and r["peak_mb"] <= budget
+                        ),
                         init=2,
                     )
-                rows.append({"budget_mb": budget, "search": name, "trials": len(sizes), "sizes": sizes,
-                             "largest": best, "wall_s": time.perf_counter() - start})
+                rows.append(
+                    {
+                        "budget_mb": budget,
+                        "search": name,
+                        "trials": len(sizes),
+                        "sizes": sizes,
+                        "largest": best,
+                        "wall_s": time.perf_counter() - start,
+                    }
+                )
                 host.shutdown()
     finally:
         ray.shutdown()
@@ -204,15 +257,29 @@ def schedules(tmp: Path, quick: bool) -> dict:
     from rayhybrid.config.compose import load_config
     from rayhybrid.plan.estimate import bubble_fraction, rank_memory
 
-    cases = {"gpipe": [], "1f1b": [], "interleaved_1f1b": ["topology.stages_per_rank=2"],
-             "interleaved_zb": ["topology.stages_per_rank=2"], "zbv": ["topology.stages_per_rank=2"]}
+    cases = {
+        "gpipe": [],
+        "1f1b": [],
+        "interleaved_1f1b": ["topology.stages_per_rank=2"],
+        "interleaved_zb": ["topology.stages_per_rank=2"],
+        "zbv": ["topology.stages_per_rank=2"],
+    }
     if quick:
         cases.pop("interleaved_zb")
     m, pp = 4, 2
     rows = []
     for name, extra in cases.items():
-        overrides = ["+topology=pp2", f"topology.schedule={name}", *extra, *MODEL, "train.global_batch_size=8",
-                     "train.micro_batch_size=2", f"train.steps={5 if quick else 10}", "metrics.memory=true", *QUIET]
+        overrides = [
+            "+topology=pp2",
+            f"topology.schedule={name}",
+            *extra,
+            *MODEL,
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            f"train.steps={5 if quick else 10}",
+            "metrics.memory=true",
+            *QUIET,
+        ]
         _, records, _ = common.train(overrides, tmp / f"sched-{name}")
         cfg = load_config(overrides)
         theory, formula = bubble_fraction(name, pp, m, 2 if extra else 1)
@@ -222,20 +289,30 @@ def schedules(tmp: Path, quick: bool) -> dict:
         def per_rank(metric: str, last=last) -> list[float]:
             return [max(v for k, v in last[metric].items() if k.startswith(f"rank{r}/")) for r in range(pp)]
 
-        rows.append({
-            "schedule": name, "bubble": statistics.median(r["bubble"] for r in records[1:]), "theory_bubble": theory,
-            "formula": formula, "activation_mb": per_rank("activation_mb"),
-            "plan_activation_mb": [p.saved_peak / 2**20 for p in plan],
-            "in_flight": [{str(k): v for k, v in p.max_in_flight.items()} for p in plan],
-            "peak_mb": per_rank("peak_mb"), "plan_peak_mb": [p.total / 2**20 for p in plan],
-            "step_s": common.steady_step_s(records),
-        })
+        rows.append(
+            {
+                "schedule": name,
+                "bubble": statistics.median(r["bubble"] for r in records[1:]),
+                "theory_bubble": theory,
+                "formula": formula,
+                "activation_mb": per_rank("activation_mb"),
+                "plan_activation_mb": [p.saved_peak / 2**20 for p in plan],
+                "in_flight": [{str(k): v for k, v in p.max_in_flight.items()} for p in plan],
+                "peak_mb": per_rank("peak_mb"),
+                "plan_peak_mb": [p.total / 2**20 for p in plan],
+                "step_s": common.steady_step_s(records),
+            }
+        )
     return {"rows": rows, "micro_batches": m}
 
 
 BENCHMARKS = {
-    "scaling": scaling, "overhead": overhead, "startup": startup, "recovery": recovery,
-    "batch_search": batch_search, "schedules": schedules,
+    "scaling": scaling,
+    "overhead": overhead,
+    "startup": startup,
+    "recovery": recovery,
+    "batch_search": batch_search,
+    "schedules": schedules,
 }
 
 
@@ -251,7 +328,9 @@ def main() -> None:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
     results_path = common.ROOT / "benchmarks" / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    command = "python benchmarks/run.py" + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "")
+    command = (
+        "python benchmarks/run.py" + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "")
+    )
     with tempfile.TemporaryDirectory(prefix="rayhybrid-bench-") as tmp:
         for name in names:
             start = time.perf_counter()
@@ -260,8 +339,12 @@ def main() -> None:
                 result = BENCHMARKS[name](Path(tmp), args.quick)
             except Exception as err:  # noqa: BLE001 - one broken benchmark must not lose the others
                 result = {"error": f"{type(err).__name__}: {err}"[:2000]}
-            result.update(seconds=round(time.perf_counter() - start, 1), command=command,
-                          date=time.strftime("%Y-%m-%d %H:%M"), machine=_machine())
+            result.update(
+                seconds=round(time.perf_counter() - start, 1),
+                command=command,
+                date=time.strftime("%Y-%m-%d %H:%M"),
+                machine=_machine(),
+            )
             results[name] = result
             results_path.write_text(json.dumps(results, indent=1) + "\n")
             print(json.dumps(result, indent=None)[:1500], flush=True)

@@ -19,8 +19,11 @@ import rayhybrid
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--path", default=os.path.join(os.path.dirname(json.__file__), "*.py"),
-                        help="a text file, a directory of *.txt files or a glob (default: Python's json/*.py)")
+    parser.add_argument(
+        "--path",
+        default=os.path.join(os.path.dirname(json.__file__), "*.py"),
+        help="a text file, a directory of *.txt files or a glob (default: Python's json/*.py)",
+    )
     parser.add_argument("--topology", default="pp2_tp2", help="a topology preset, e.g. dp2, pp2_tp2, dp2_pp2_tp2")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--run-dir", default=None, help="where outputs go (default: outputs/<date>/<time>)")
@@ -38,8 +41,10 @@ def main() -> None:
         ],
         run_dir=args.run_dir,
     )
-    print(f"{summary['status']}: loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} "
-          f"({summary['final_loss'] / 0.6931:.2f} bits/byte) in {summary['wall_s']:.0f}s; outputs in {summary['run_dir']}")
+    print(
+        f"{summary['status']}: loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} "
+        f"({summary['final_loss'] / 0.6931:.2f} bits/byte) in {summary['wall_s']:.0f}s; outputs in {summary['run_dir']}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """rayhybrid: hybrid data x pipeline x tensor parallel training of PyTorch models on Ray.
 
-    python -m rayhybrid +topology=dp2_pp2_tp2      # command line
-    rayhybrid.train(["+topology=dp2_pp2_tp2"])     # Python; returns the run summary
+python -m rayhybrid +topology=dp2_pp2_tp2      # command line
+rayhybrid.train(["+topology=dp2_pp2_tp2"])     # Python; returns the run summary
 """
 
 __version__ = "0.1.0"
@@ -14,4 +14,4 @@ def train(overrides=(), *, run_dir=None) -> dict:
     return _train(overrides, run_dir=run_dir)
 
 
-__all__ = ["train", "__version__"]
+__all__ = ["__version__", "train"]

@@ -134,9 +134,14 @@ class Controller:
         s = self.summary
         floor = s.workers.get("loss_floor")
         log.info(
-            "done: %d steps in %.1fs, loss %s -> %s%s%s; summary in %s", s.steps, s.wall_s, _fmt(s.initial_loss),
-            _fmt(s.final_loss), f" (floor {floor:.4f})" if floor is not None else "",
-            f", {s.restarts} restart(s)" if s.restarts else "", self.log.dir / "summary.json",
+            "done: %d steps in %.1fs, loss %s -> %s%s%s; summary in %s",
+            s.steps,
+            s.wall_s,
+            _fmt(s.initial_loss),
+            _fmt(s.final_loss),
+            f" (floor {floor:.4f})" if floor is not None else "",
+            f", {s.restarts} restart(s)" if s.restarts else "",
+            self.log.dir / "summary.json",
         )
         return self.summary.to_dict()
 
@@ -167,8 +172,11 @@ class Controller:
             self.summary.startup_s = round(time.perf_counter() - self.log.started, 3)
             w = self.summary.workers
             log.info(
-                "started %d workers in %.1fs; %s parameters; run dir %s%s", len(group.workers),
-                self.summary.startup_s, f"{w['params']:,}", self.log.dir,
+                "started %d workers in %.1fs; %s parameters; run dir %s%s",
+                len(group.workers),
+                self.summary.startup_s,
+                f"{w['params']:,}",
+                self.log.dir,
                 f"; data loss floor {w['loss_floor']:.4f}" if w["loss_floor"] is not None else "",
             )
         self.train_started = time.perf_counter()
@@ -198,7 +206,9 @@ class Controller:
             saved = group.save(str(self.ckpt_root), self.cfg.checkpoint.keep, self.cfg.fault.step_timeout_s, inject)
         except WorkerError as err:
             return self._failed(err, step + 1, inject)
-        self.log.event({"event": "checkpoint", "step": step, "path": saved["path"], "save_s": round(saved["save_s"], 3)})
+        self.log.event(
+            {"event": "checkpoint", "step": step, "path": saved["path"], "save_s": round(saved["save_s"], 3)}
+        )
         self.summary.last_checkpoint = saved["path"]
         slots = self.scaling.on_checkpoint(group.active, group.placed_slots()) if step < self.cfg.train.steps else None
         if slots is None:
@@ -209,8 +219,13 @@ class Controller:
     def on_resizing(self, state: Resizing) -> Training | Recovering:
         """Grow onto the slots given, restarting from the checkpoint just written."""
         intr, group = state.interruption, self.group
-        log.warning("resize dp %d -> %d at step %d: %s; restarting from the checkpoint just written",
-                    group.dp, len(state.slots), intr.step, intr.cause)
+        log.warning(
+            "resize dp %d -> %d at step %d: %s; restarting from the checkpoint just written",
+            group.dp,
+            len(state.slots),
+            intr.step,
+            intr.cause,
+        )
         mark = time.perf_counter()
         try:
             group.rebuild(state.slots)
@@ -233,8 +248,12 @@ class Controller:
             return Failed(RunFailed(f"{decision.reason}; {self._last_good()}"))
         self.summary.restarts += 1
         intr.restart = self.summary.restarts
-        log.warning("restart %d/%d: replacing the failed workers and restarting from %s", intr.restart,
-                    self.cfg.fault.max_restarts, self._last_good(short=True))
+        log.warning(
+            "restart %d/%d: replacing the failed workers and restarting from %s",
+            intr.restart,
+            self.cfg.fault.max_restarts,
+            self._last_good(short=True),
+        )
         if group is None:  # the start failed: start again
             return Starting(intr)
         intr.teardown_s = time.perf_counter() - mark
@@ -276,8 +295,12 @@ class Controller:
             intr.restore_s += time.perf_counter() - mark
             written, now = ckpt.meta["topology"], group.cfg.topology
             log.info(
-                "resuming from %s (step %d, %d samples consumed%s)", ckpt.path, step, ckpt.meta["consumed_samples"],
-                "" if all(written[k] == getattr(now, k) for k in ("dp", "pp", "tp"))
+                "resuming from %s (step %d, %d samples consumed%s)",
+                ckpt.path,
+                step,
+                ckpt.meta["consumed_samples"],
+                ""
+                if all(written[k] == getattr(now, k) for k in ("dp", "pp", "tp"))
                 else f"; written under dp{written['dp']}_pp{written['pp']}_tp{written['tp']}, resharded",
             )
             self.log.event({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
@@ -291,8 +314,12 @@ class Controller:
         first = group.descriptions[0]
         self.summary.topology.update(Layout.of(group.cfg).summary())
         self.summary.workers = {
-            "placement": placement, "device_name": first["device_name"], "backend": first["backend"],
-            "device": first["device"], "params": first["model_params"], "loss_floor": first["loss_floor"],
+            "placement": placement,
+            "device_name": first["device_name"],
+            "backend": first["backend"],
+            "device": first["device"],
+            "params": first["model_params"],
+            "loss_floor": first["loss_floor"],
         }
         self.observer.started(placement, first["device_name"])
         return step
@@ -319,11 +346,15 @@ class Controller:
 
     def _why_not_placed(self, lost: set[int], wait_s: float) -> str:
         if not self.elastic:
-            return (f"{len(lost)} replica(s) lost workers and could not be placed again within {wait_s:g}s "
-                    "(cluster.placement_timeout_s); add nodes or raise cluster.placement_timeout_s")
+            return (
+                f"{len(lost)} replica(s) lost workers and could not be placed again within {wait_s:g}s "
+                "(cluster.placement_timeout_s); add nodes or raise cluster.placement_timeout_s"
+            )
         left = len(self.group.active) - len(lost)
-        return (f"{left} replica(s) left after losing {len(lost)}, below elastic.min_dp={self.scaling.min_dp}; "
-                "add nodes or lower elastic.min_dp")
+        return (
+            f"{left} replica(s) left after losing {len(lost)}, below elastic.min_dp={self.scaling.min_dp}; "
+            "add nodes or lower elastic.min_dp"
+        )
 
     def _announce(self) -> None:
         cfg, t, layout = self.cfg, self.cfg.topology, Layout.of(self.cfg)
@@ -333,18 +364,27 @@ class Controller:
             skipped = [d for d in range(low, high + 1) if d not in usable]
             tr = cfg.train
             log.info(
-                "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s", self.scaling.min_dp, usable[-1], t.pp,
-                t.tp, ", ".join(map(str, usable)),
+                "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s",
+                self.scaling.min_dp,
+                usable[-1],
+                t.pp,
+                t.tp,
+                ", ".join(map(str, usable)),
                 f" (dp {', '.join(map(str, skipped))} cannot split global batch {tr.global_batch_size} into "
                 f"micro-batches of {tr.micro_batch_size}; the run uses the largest usable dp it can place)"
-                if skipped else "",
+                if skipped
+                else "",
             )
         log.info(
             "rayhybrid: %s ranks = dp %s x pp %d x tp %d (%s, %s, %s micro-batches of %d) on %s",
             "elastic" if self.elastic else layout.world_size,
-            f"{self.scaling.min_dp}..{usable[-1]}" if self.elastic else t.dp, t.pp, t.tp,
-            t.schedule if t.pp > 1 else "no pipeline", "FSDP2" if t.dp_shard else "replicated dp",
-            "G/(dp x mb)" if self.elastic else layout.num_microbatches, cfg.train.micro_batch_size,
+            f"{self.scaling.min_dp}..{usable[-1]}" if self.elastic else t.dp,
+            t.pp,
+            t.tp,
+            t.schedule if t.pp > 1 else "no pipeline",
+            "FSDP2" if t.dp_shard else "replicated dp",
+            "G/(dp x mb)" if self.elastic else layout.num_microbatches,
+            cfg.train.micro_batch_size,
             "GPU" if self.shape.use_gpu else "CPU",
         )
 

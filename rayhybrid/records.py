@@ -64,9 +64,14 @@ class Interruption:
 
     def restart_record(self) -> dict:
         return {
-            "event": "restart", "restart": self.restart, "failed_step": self.step, "cause": self.cause,
-            "resume_step": self.resume_step, "replaced_ranks": self.replaced_ranks,
-            "dp_before": self.dp_before, "dp_after": self.dp_after,
+            "event": "restart",
+            "restart": self.restart,
+            "failed_step": self.step,
+            "cause": self.cause,
+            "resume_step": self.resume_step,
+            "replaced_ranks": self.replaced_ranks,
+            "dp_before": self.dp_before,
+            "dp_after": self.dp_after,
             **{key: round(getattr(self, key), 3) for key in (*TIMINGS, "total_s")},
         }
 
@@ -75,8 +80,12 @@ class Interruption:
         last step trained before it took effect (the checkpoint it resumed from)."""
         cause = f"replica lost ({self.cause})" if self.kind == "restart" else self.cause
         return {
-            "event": "resize", "step": self.resume_step, "from_dp": self.dp_before, "to_dp": self.dp_after,
-            "cause": cause, **{key: round(getattr(self, key), 3) for key in TIMINGS},
+            "event": "resize",
+            "step": self.resume_step,
+            "from_dp": self.dp_before,
+            "to_dp": self.dp_after,
+            "cause": cause,
+            **{key: round(getattr(self, key), 3) for key in TIMINGS},
             "resize_s": round(self.total_s, 3),
         }
 
@@ -144,8 +153,9 @@ class ProgressBar:
     def update(self, done: int, loss: float, eta_s: float) -> None:
         width = 30
         filled = int(width * done / max(1, self.total))
-        self.text = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} loss {loss:.4f} "
-                     f"eta {duration(eta_s)}")
+        self.text = (
+            f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} loss {loss:.4f} eta {duration(eta_s)}"
+        )
         self.draw()
 
     def draw(self) -> None:
@@ -192,8 +202,15 @@ class RunLog:
             )
             log.info(
                 "step %*d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2fs/step%s",
-                len(str(total)), step, total, metrics["loss"], metrics["lr"], metrics["grad_norm"],
-                f"{metrics['tokens_per_s']:,.0f}", metrics["step_time_s"], extra,
+                len(str(total)),
+                step,
+                total,
+                metrics["loss"],
+                metrics["lr"],
+                metrics["grad_norm"],
+                f"{metrics['tokens_per_s']:,.0f}",
+                metrics["step_time_s"],
+                extra,
             )
         eta = (time.perf_counter() - self.started) / max(1, len(self.history)) * (total - step)
         self.bar.update(step, metrics["loss"], eta)
@@ -210,15 +227,26 @@ class RunLog:
             self.event(record)
             log.warning(
                 "recovered from the failure at step %d in %.1fs (teardown %.1fs, place %.1fs, init %.1fs, "
-                "restore %.1fs, first step %.1fs)", intr.step, intr.total_s, intr.teardown_s, intr.place_s,
-                intr.init_s, intr.restore_s, intr.first_step_s,
+                "restore %.1fs, first step %.1fs)",
+                intr.step,
+                intr.total_s,
+                intr.teardown_s,
+                intr.place_s,
+                intr.init_s,
+                intr.restore_s,
+                intr.first_step_s,
             )
         if intr.dp_after != intr.dp_before:
             record = intr.resize_record()
             summary.resizes.append(record)
             self.event(record)
-            log.warning("resized dp %d -> %d (%s): %.1fs from the last step before to the first step after",
-                        intr.dp_before, intr.dp_after, record["cause"], intr.total_s)
+            log.warning(
+                "resized dp %d -> %d (%s): %.1fs from the last step before to the first step after",
+                intr.dp_before,
+                intr.dp_after,
+                record["cause"],
+                intr.total_s,
+            )
 
     def rewind(self, step: int) -> None:
         """Forget steps after `step` (they will be trained again from a checkpoint), in memory

@@ -101,8 +101,8 @@ def stage_style(schedule: str) -> str:
 class Layout:
     """What a config's topology and batch imply, computed here and asked for everywhere else.
 
-        layout = Layout.of(cfg)
-        layout.world_size, layout.num_microbatches, layout.stages_of(pp_rank), layout.stage_layers
+    layout = Layout.of(cfg)
+    layout.world_size, layout.num_microbatches, layout.stages_of(pp_rank), layout.stage_layers
     """
 
     dp: int
@@ -118,8 +118,16 @@ class Layout:
     def of(cls, cfg) -> Layout:
         """From a `rayhybrid.config.schema.Config` (its topology, model and train sections)."""
         t, tr = cfg.topology, cfg.train
-        return cls(t.dp, t.pp, t.tp, t.schedule, t.stages_per_rank, cfg.model.n_layers,
-                   tr.global_batch_size, tr.micro_batch_size)
+        return cls(
+            t.dp,
+            t.pp,
+            t.tp,
+            t.schedule,
+            t.stages_per_rank,
+            cfg.model.n_layers,
+            tr.global_batch_size,
+            tr.micro_batch_size,
+        )
 
     @property
     def topology(self) -> Topology:
@@ -162,5 +170,10 @@ class Layout:
 
     def summary(self) -> dict:
         """The topology as summary.json and the step records report it."""
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "world_size": self.world_size,
-                "num_microbatches": self.num_microbatches}
+        return {
+            "dp": self.dp,
+            "pp": self.pp,
+            "tp": self.tp,
+            "world_size": self.world_size,
+            "num_microbatches": self.num_microbatches,
+        }

@@ -13,6 +13,7 @@ if ROOT not in sys.path:
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (NCCL, CUDA memory); skipped without one")
     config.addinivalue_line(
-        "markers", "slow: a test of seconds to minutes (Ray clusters, recovery, the soak); "
-        'the quick tier is `python -m pytest -m "not slow"`'
+        "markers",
+        "slow: a test of seconds to minutes (Ray clusters, recovery, the soak); "
+        'the quick tier is `python -m pytest -m "not slow"`',
     )

@@ -56,7 +56,7 @@ def _child(fn, rank: int, world: int, port: int, args: tuple, out) -> None:
         # Plain pickle copies tensor data into the bytes: nothing depends on shared memory
         # that would vanish with this process.
         payload = pickle.dumps(result)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, whatever it is
         out.put((rank, False, f"rank {rank} failed:\n{traceback.format_exc()}"))
         return  # do not wait on peers in destroy_process_group; the parent ends them
     out.put((rank, True, payload))
@@ -248,8 +248,11 @@ def resume_many(rank: int, cfgs: dict, root: str, steps: int) -> dict[str, dict]
             tr.load_checkpoint(str(ckpt.path), ckpt.meta)
             start = tr.step
             metrics = [tr.train_step() for _ in range(steps)]
-            out[label] = {"start": start, "losses": [m["loss"] for m in metrics],
-                          "consumed": [m["consumed_samples"] for m in metrics]}
+            out[label] = {
+                "start": start,
+                "losses": [m["loss"] for m in metrics],
+                "consumed": [m["consumed_samples"] for m in metrics],
+            }
         except Exception as exc:
             raise RuntimeError(f"config {label!r} failed on rank {rank}") from exc
         del tr
@@ -268,7 +271,7 @@ def forward_memory(rank: int, cfgs: dict) -> dict[str, dict]:
     for label, cfg in cfgs.items():
         tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
         losses = [tr.train_step()["loss"] for _ in range(2)]
-        (_, model), = tr.stages
+        ((_, model),) = tr.stages
         x, y = tr.stream.batch(0, cfg.train.micro_batch_size)
         tracker = tr.memory.tracker
         with tr.memory.step():
@@ -295,7 +298,9 @@ def run_worlds(cfgs: list, ranks: list[dict[int, int]], num_procs: int, timeout:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ports = [free_port() for _ in cfgs]
-    procs = [ctx.Process(target=_worlds_child, args=(p, cfgs, ranks, ports, out), daemon=True) for p in range(num_procs)]
+    procs = [
+        ctx.Process(target=_worlds_child, args=(p, cfgs, ranks, ports, out), daemon=True) for p in range(num_procs)
+    ]
     for p in procs:
         p.start()
     results, deadline = {}, time.monotonic() + timeout

@@ -35,17 +35,45 @@ def test_lightning_binsearch_doubles_then_bisects(largest):
 def _results() -> dict:
     meta = {"seconds": 1.0, "command": "python benchmarks/run.py --quick", "date": "2026-11-23 07:00", "machine": "x"}
     return {
-        "scaling": {**meta, "rows": [{"case": "1 rank", "step_s": 0.5, "speedup": 1.0},
-                                     {"case": "dp2", "step_s": 0.25, "speedup": 2.0}],
-                    "ceiling": 1.9, "alone_step_s": 0.5, "pair_step_s": 0.526, "backend": "gloo",
-                    "allreduce": [{"bytes": 4096, "ms": 0.5, "mb_per_s": 8.0}, {"bytes": 4 << 20, "ms": 4.0, "mb_per_s": 1000.0}]},
-        "overhead": {**meta, "runs_each": 2, "rows": [{
-            "case": "dp2", "same_losses": True, "rayhybrid_step_s": 0.42, "torchrun_step_s": 0.40, "step_ratio": 1.05,
-            "rayhybrid_wall_s": 0.43, "torchrun_wall_s": 0.40, "wall_ratio": 1.075,
-            "rayhybrid_runs_s": [0.41, 0.43], "torchrun_runs_s": [0.39, 0.41]}]},
+        "scaling": {
+            **meta,
+            "rows": [
+                {"case": "1 rank", "step_s": 0.5, "speedup": 1.0},
+                {"case": "dp2", "step_s": 0.25, "speedup": 2.0},
+            ],
+            "ceiling": 1.9,
+            "alone_step_s": 0.5,
+            "pair_step_s": 0.526,
+            "backend": "gloo",
+            "allreduce": [
+                {"bytes": 4096, "ms": 0.5, "mb_per_s": 8.0},
+                {"bytes": 4 << 20, "ms": 4.0, "mb_per_s": 1000.0},
+            ],
+        },
+        "overhead": {
+            **meta,
+            "runs_each": 2,
+            "rows": [
+                {
+                    "case": "dp2",
+                    "same_losses": True,
+                    "rayhybrid_step_s": 0.42,
+                    "torchrun_step_s": 0.40,
+                    "step_ratio": 1.05,
+                    "rayhybrid_wall_s": 0.43,
+                    "torchrun_wall_s": 0.40,
+                    "wall_ratio": 1.075,
+                    "rayhybrid_runs_s": [0.41, 0.43],
+                    "torchrun_runs_s": [0.39, 0.41],
+                }
+            ],
+        },
         "startup": {"error": "RuntimeError: boom", **meta},
-        "recovery": {**meta, "rayhybrid": {"total_s": 5.0, "detect_s": 0.1}, "raytrain": {
-            "kill_to_first_step_s": 30.0, "breakdown": {"detect_s": 2.0}, "steps_redone": 1}},
+        "recovery": {
+            **meta,
+            "rayhybrid": {"total_s": 5.0, "detect_s": 0.1},
+            "raytrain": {"kill_to_first_step_s": 30.0, "breakdown": {"detect_s": 2.0}, "steps_redone": 1},
+        },
     }
 
 
@@ -65,6 +93,8 @@ def test_report_writes_each_section_with_its_command():
 
 
 def test_unknown_benchmark_is_a_usage_error():
-    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--only", "speed"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--only", "speed"], capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 2
     assert "unknown benchmark(s) ['speed']; choose from scaling, overhead" in proc.stderr

@@ -15,6 +15,8 @@ from rayhybrid import checkpoint_store as store
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TrainConfig
 from tests.distributed import checkpoint_then_continue, replace_topology, resume_many, run_configs, run_ranks
 
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
+
 BEFORE, AFTER = 3, 3
 RTOL = 1e-5
 BASE = Config(

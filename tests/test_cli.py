@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -19,7 +21,13 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 300, module: str = "ray
     # Works from any directory: the installed package, else this checkout.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -38,7 +46,10 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str
     [
         (["topology.tp=3"], ["topology.tp", "n_heads"]),
         (["+topology=pp4", "model.n_layers=2"], ["topology.pp", "n_layers=2"]),
-        (["+topology=dp2", "train.global_batch_size=10", "train.micro_batch_size=4"], ["train.global_batch_size", "multiple of 8"]),
+        (
+            ["+topology=dp2", "train.global_batch_size=10", "train.micro_batch_size=4"],
+            ["train.global_batch_size", "multiple of 8"],
+        ),
         (["topology.dp=0"], ["topology.dp", "positive"]),
         (["train.micro_batch_size=-1"], ["train.micro_batch_size", "positive"]),
         (["+topology=pp2", "topology.schedule=zb_magic"], ["topology.schedule", "gpipe"]),

@@ -53,8 +53,15 @@ def test_gpt3_small_parameter_count():
     # matrix more (and the vocabulary is padded from 50257 to 50304).
     # XL: the paper's table gives 24 heads of 128 (attention width 3072) on d_model 2048, which
     # makes 1.52B, not the 1.3B of its name (that counts a 2048-wide attention); we keep the table.
-    sizes = (("gpt3_small", 0.125), ("gpt3_medium", 0.35), ("gpt3_large", 0.76), ("gpt3_xl", 1.52),
-             ("gpt3_2.7b", 2.65), ("gpt3_6.7b", 6.7), ("gpt3_13b", 13.0))
+    sizes = (
+        ("gpt3_small", 0.125),
+        ("gpt3_medium", 0.35),
+        ("gpt3_large", 0.76),
+        ("gpt3_xl", 1.52),
+        ("gpt3_2.7b", 2.65),
+        ("gpt3_6.7b", 6.7),
+        ("gpt3_13b", 13.0),
+    )
     for name, billions in sizes:
         m = load_config([f"model={name}"]).model
         tied = num_params(m, 2048) - m.vocab_size * m.d_model
@@ -84,8 +91,16 @@ def test_loss_parallel_from_the_command_line(value, vocab, expected):
     [
         (["topology.tp=3"], "topology.tp", ["n_heads=4"]),
         (["topology.pp=8"], "topology.pp", ["n_layers=4"]),
-        (["topology.pp=4", "topology.schedule=interleaved_1f1b", "topology.stages_per_rank=2"], "topology.pp", ["8 stages"]),
-        (["+topology=dp2", "train.global_batch_size=14", "train.micro_batch_size=2"], "train.global_batch_size", ["multiple of 4"]),
+        (
+            ["topology.pp=4", "topology.schedule=interleaved_1f1b", "topology.stages_per_rank=2"],
+            "topology.pp",
+            ["8 stages"],
+        ),
+        (
+            ["+topology=dp2", "train.global_batch_size=14", "train.micro_batch_size=2"],
+            "train.global_batch_size",
+            ["multiple of 4"],
+        ),
         (["topology.dp=0"], "topology.dp", ["positive"]),
         (["topology.tp=-2"], "topology.tp", ["positive"]),
         (["train.micro_batch_size=0"], "train.micro_batch_size", ["positive"]),
@@ -94,7 +109,11 @@ def test_loss_parallel_from_the_command_line(value, vocab, expected):
         (["topology.schedule=bogus"], "topology.schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]),
         (["+topology=pp2", "topology.schedule=zbv"], "topology.stages_per_rank", ["=2"]),
         (["+topology=pp2", "topology.stages_per_rank=2"], "topology.stages_per_rank", ["interleaved"]),
-        (["+topology=pp4", "train.global_batch_size=4", "train.micro_batch_size=2"], "train.global_batch_size", ["1f1b", "to 8"]),
+        (
+            ["+topology=pp4", "train.global_batch_size=4", "train.micro_batch_size=2"],
+            "train.global_batch_size",
+            ["1f1b", "to 8"],
+        ),
         (["train.dtype=float8"], "train.dtype", ["bfloat16"]),
         (["data=text"], "data.path", ["data.path"]),
         (["data=text", "data.path=/nonexistent/*.txt"], "data.path", ["no text file"]),

@@ -3,6 +3,7 @@ alone, and dp rank r of step k reads its contiguous share of global samples [k*G
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -78,7 +79,7 @@ def test_markov_chain_structure(branching):
     successors: dict[int, set[int]] = {}
     for i in range(200):
         row = stream.sample(i)
-        for a, b in zip(row[:-1], row[1:]):
+        for a, b in itertools.pairwise(row):
             successors.setdefault(int(a), set()).add(int(b))
     assert max(len(s) for s in successors.values()) <= branching
 

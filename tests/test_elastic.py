@@ -21,8 +21,13 @@ from tests.clusters import add_node, local_cluster
 from tests.test_recovery import in_background, losses, when_step
 
 # A replica is pp2 x tp1: two ranks, one node of 2 CPUs. G=12 splits for dp 1, 2 and 3.
-COMMON = ["topology.pp=2", "train.global_batch_size=12", "train.micro_batch_size=2", "data.seq_len=32",
-          "checkpoint.every=2"]
+COMMON = [
+    "topology.pp=2",
+    "train.global_batch_size=12",
+    "train.micro_batch_size=2",
+    "data.seq_len=32",
+    "checkpoint.every=2",
+]
 ELASTIC = ["elastic.enabled=true", "elastic.min_dp=1", "elastic.max_dp=3", "elastic.reschedule_timeout_s=5"]
 
 
@@ -54,6 +59,7 @@ def node_of(run_dir: Path, dp: int, cluster: Cluster):
     return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
 
 
+@pytest.mark.slow
 def test_shrinks_when_a_node_goes_and_grows_when_one_comes_back(cluster, tmp_path):
     steps = 40
     reference = rayhybrid.train([*COMMON, f"train.steps={steps}"], run_dir=tmp_path / "ref")  # fixed dp1
@@ -97,6 +103,7 @@ def test_shrinks_when_a_node_goes_and_grows_when_one_comes_back(cluster, tmp_pat
     assert losses(run_dir) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_fixed_dp_run_fails_clearly_when_a_node_is_gone_for_good(cluster, tmp_path):
     wait_for(lambda: sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) == 3)
     run_dir = tmp_path / "run"
@@ -128,8 +135,15 @@ def test_usable_dps_follow_the_global_batch():
 
 def test_elastic_config_errors_name_the_setting():
     with pytest.raises(ConfigError) as info:
-        validate(_cfg(*ELASTIC, "elastic.min_dp=3", "elastic.max_dp=3", "train.global_batch_size=8",
-                      "train.micro_batch_size=1"))
+        validate(
+            _cfg(
+                *ELASTIC,
+                "elastic.min_dp=3",
+                "elastic.max_dp=3",
+                "train.global_batch_size=8",
+                "train.micro_batch_size=1",
+            )
+        )
     assert info.value.setting == "elastic.min_dp" and "valid dp values: 1, 2, 4, 8" in str(info.value)
     with pytest.raises(ConfigError) as info:
         validate(_cfg(*ELASTIC, "elastic.min_dp=3", "elastic.max_dp=2"))

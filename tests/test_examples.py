@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -16,9 +20,22 @@ def test_train_on_text_example(tmp_path):
     env.pop("RAY_ADDRESS", None)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "train_on_text.py"), "--steps", "6", "--topology", "pp2_tp2",
-         "--run-dir", str(run_dir)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "examples" / "train_on_text.py"),
+            "--steps",
+            "6",
+            "--topology",
+            "pp2_tp2",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -44,7 +61,7 @@ def test_elastic_cluster_launcher_config_matches_its_command():
     assert worker["min_workers"] < worker["max_workers"] == config["max_workers"]
     # The job command in the header composes and validates, and its dp range fits the workers.
     (command,) = [line for line in text.splitlines() if "python -m rayhybrid" in line]
-    args = shlex.split(command.strip("# \""))[3:]
+    args = shlex.split(command.strip('# "'))[3:]
     cfg = to_config(compose(args))
     validate(cfg)
     assert cfg.elastic.enabled and cfg.elastic.max_dp == worker["max_workers"]

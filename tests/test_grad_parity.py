@@ -1,8 +1,8 @@
 """Gradient parity of the tensor-, pipeline- and data-parallel pieces against a single process.
 
 Every rank runs one `Trainer.forward_backward()` (no clipping, no optimizer step) and reports
-the full gradient of every parameter it holds, under the full model's name (DESIGN invariant
-5). Each reported gradient must match the dp1_pp1_tp1 reference, and the ranks together must
+the full gradient of every parameter it holds, under the full model's name (docs/design.md,
+invariant 5). Each reported gradient must match the dp1_pp1_tp1 reference, and the ranks together must
 hold every reference parameter, each under its reference name.
 """
 
@@ -14,6 +14,8 @@ import torch
 from rayhybrid.config.schema import SCHEDULES, Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
 from rayhybrid.topology import Topology
 from tests.distributed import grads_many, run_configs
+
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 
 RTOL = 1e-5
 ATOL = 1e-7
@@ -123,7 +125,11 @@ def check_grads(ranks: list[dict], label: str, cfg: Config, reference: dict[str,
         assert set(names) == expected, f"rank {rank}: holds {sorted(set(names) ^ expected)} wrongly"
         for name, grad in grads.items():
             torch.testing.assert_close(
-                grad, reference[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"rank {rank} {name}: {m}"
+                grad,
+                reference[name],
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda m, name=name, rank=rank: f"rank {rank} {name}: {m}",
             )
         held |= set(names)
     assert held == reference.keys(), f"parameters held by no rank: {reference.keys() - held}"

@@ -63,8 +63,10 @@ def test_pipeline_peaks_per_stage_and_phase_and_micro_batches_in_flight():
     # What one micro-batch sample holds from its forward to its backward on each stage: its
     # blocks' saved activations, and on stage 0 the output the stage keeps for its backward, on
     # stage 1 the head's.
-    held = {0: layers * block_bytes(base) + FLOAT * base.data.seq_len * base.model.d_model,
-            1: layers * block_bytes(base) + head_bytes(base)}
+    held = {
+        0: layers * block_bytes(base) + FLOAT * base.data.seq_len * base.model.d_model,
+        1: layers * block_bytes(base) + head_bytes(base),
+    }
     for rank, stage in ((0, 0), (1, 1)):
         runs = ranks[rank]
         keys = {f"stage{stage}/{phase}" for phase in ("forward", "backward", "optimizer")}

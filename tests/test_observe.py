@@ -14,6 +14,8 @@ from rayhybrid.config.compose import load_config
 from rayhybrid.models.gpt.model import num_params
 from rayhybrid.observe import device_peak_tflops
 
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
+
 PEAK = 0.001  # TFLOP/s per device, given by hand (a CPU has no entry in the table)
 
 
@@ -21,8 +23,16 @@ PEAK = 0.001  # TFLOP/s per device, given by hand (a CPU has no entry in the tab
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("observe") / "run"
     summary = rayhybrid.train(
-        ["+topology=pp2", "train.steps=4", "train.log_every=1", "checkpoint.every=0", "metrics.memory=true",
-         "metrics.trace_steps=[2,3]", "metrics.tensorboard=true", f"metrics.peak_tflops={PEAK}"],
+        [
+            "+topology=pp2",
+            "train.steps=4",
+            "train.log_every=1",
+            "checkpoint.every=0",
+            "metrics.memory=true",
+            "metrics.trace_steps=[2,3]",
+            "metrics.tensorboard=true",
+            f"metrics.peak_tflops={PEAK}",
+        ],
         run_dir=run_dir,
     )
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -41,7 +51,9 @@ def test_flops_mfu_bubble_and_memory_per_step(run):
         # Two stages, 4 micro-batches of 4: 1F1B's theory is (pp-1)/(m+pp-1) = 0.2; measured
         # on two busy cores it is noisier, but a rank always waits for its neighbour somewhere.
         assert 0.0 < step["bubble"] < 0.9
-        assert set(step["peak_mb"]) == {f"rank{r}/stage{r}/{p}" for r in (0, 1) for p in ("forward", "backward", "optimizer")}
+        assert set(step["peak_mb"]) == {
+            f"rank{r}/stage{r}/{p}" for r in (0, 1) for p in ("forward", "backward", "optimizer")
+        }
     assert set(summary["peak_mb_by_stage"]) == {"stage0", "stage1"}
     for stage in ("stage0", "stage1"):  # the bytes kept for backward, within the stage's peak
         assert 0 < summary["activation_mb_by_stage"][stage] < summary["peak_mb_by_stage"][stage]
@@ -65,6 +77,7 @@ def test_trace_has_a_track_per_rank_with_the_pipeline_schedule(run):
         assert sorted(e["name"] for e in mine if e["cat"] == "backward") == sorted([f"B{i}" for i in range(4)] * 2)
         assert sum(e["cat"] == "optimizer" for e in mine) == 2
         assert any(e["cat"] == "comm" and e["tid"] == 1 for e in mine)
+
     # Real timings show the schedule: stage 1 runs a micro-batch's forward after stage 0 sent it,
     # and stage 0 runs its backward after stage 1 sent the gradient.
     def first(rank, name):

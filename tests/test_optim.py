@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def test_warmup(decay):
     # Starts small (not zero: the first step must move), rises linearly, peaks at lr.
     assert warm[0] == pytest.approx(cfg.lr / cfg.warmup_steps)
     assert 0 < warm[0] < 0.2 * cfg.lr
-    assert all(b > a for a, b in zip(warm, warm[1:]))
+    assert all(b > a for a, b in itertools.pairwise(warm))
     assert warm == pytest.approx([cfg.lr * (s + 1) / cfg.warmup_steps for s in range(cfg.warmup_steps)])
     assert warm[-1] == pytest.approx(cfg.lr)
     assert max(schedule(cfg)) == pytest.approx(cfg.lr)
@@ -36,7 +37,7 @@ def test_decay_reaches_min_lr(decay):
     lrs = schedule(cfg)
     after = lrs[cfg.warmup_steps :]
     assert after[0] == pytest.approx(cfg.lr)
-    assert all(b <= a for a, b in zip(after, after[1:])), "decay must not increase"
+    assert all(b <= a for a, b in itertools.pairwise(after)), "decay must not increase"
     assert all(lr >= cfg.min_lr - 1e-15 for lr in after)
     # Ends at min_lr, and stays there past the planned steps.
     assert lrs[-1] - cfg.min_lr <= 0.02 * (cfg.lr - cfg.min_lr)

@@ -1,4 +1,4 @@
-"""Loss parity across topologies (DESIGN invariant 3): with the same seed and global batch, the
+"""Loss parity across topologies (docs/design.md, invariant 3): with the same seed and global batch, the
 per-step losses of dp/pp/tp runs match the single-process reference to floating-point noise,
 for every pipeline schedule and for replicated and sharded data parallelism.
 
@@ -16,6 +16,8 @@ import pytest
 from rayhybrid.config.schema import SCHEDULES, Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
 from tests.distributed import run_configs, train_many
 
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
+
 STEPS = 10
 GLOBAL_BATCH = 8
 LOSS_RTOL = 1e-5
@@ -29,9 +31,7 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "consumed_samp
 BASE = Config(
     model=ModelConfig(n_layers=4),
     data=DataConfig(seq_len=32),
-    train=TrainConfig(
-        steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=1, warmup_steps=2, dtype="float32"
-    ),
+    train=TrainConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=1, warmup_steps=2, dtype="float32"),
     seed=0,
 )
 
@@ -46,7 +46,13 @@ def topo(
 ) -> Config:
     return Config(
         topology=TopologyConfig(
-            dp=dp, pp=pp, tp=tp, schedule=schedule, stages_per_rank=stages_per_rank(schedule), dp_shard=dp_shard, **extra
+            dp=dp,
+            pp=pp,
+            tp=tp,
+            schedule=schedule,
+            stages_per_rank=stages_per_rank(schedule),
+            dp_shard=dp_shard,
+            **extra,
         ),
         model=BASE.model,
         data=BASE.data,
@@ -152,7 +158,9 @@ def check_parity(ranks: list[dict], label: str, cfg: Config, reference: list[dic
         assert loss[-1] < loss[0] - 0.2, f"rank {rank}: {label} does not learn: {loss}"
         # Metrics are global: the same on every rank, and equal to the reference's.
         assert loss == pytest.approx([m["loss"] for m in runs[0]], rel=1e-6), f"rank {rank} disagrees with rank 0"
-        assert loss == pytest.approx(ref_loss, rel=LOSS_RTOL), f"rank {rank}: {label} losses {loss} != reference {ref_loss}"
+        assert loss == pytest.approx(ref_loss, rel=LOSS_RTOL), (
+            f"rank {rank}: {label} losses {loss} != reference {ref_loss}"
+        )
         norm = [m["grad_norm"] for m in metrics]
         assert norm == pytest.approx(ref_norm, rel=GRAD_NORM_RTOL), f"rank {rank}: {label} grad norms differ"
         assert [m["lr"] for m in metrics] == pytest.approx([m["lr"] for m in reference], rel=1e-12)

@@ -13,6 +13,8 @@ from rayhybrid.cluster.placement import ReplicaShape, check_capacity
 from rayhybrid.errors import PlacementError
 from tests.clusters import local_cluster
 
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
+
 
 def fake_nodes(*cpus: int, gpus: int = 0) -> list[dict]:
     return [{"Alive": True, "Resources": {"CPU": float(c), **({"GPU": float(gpus)} if gpus else {})}} for c in cpus]
@@ -69,5 +71,8 @@ def test_dp2_pp2_tp2_on_two_nodes(two_nodes, tmp_path):
 
 def test_more_ranks_than_the_cluster_has(two_nodes, tmp_path):
     with pytest.raises(PlacementError) as info:
-        rayhybrid.train(["topology.dp=4", "topology.pp=2", "topology.tp=2", "train.micro_batch_size=2", "train.steps=1"], run_dir=tmp_path)
+        rayhybrid.train(
+            ["topology.dp=4", "topology.pp=2", "topology.tp=2", "train.micro_batch_size=2", "train.steps=1"],
+            run_dir=tmp_path,
+        )
     assert "16 ranks" in str(info.value) and "has 8 on 2 node" in str(info.value)

@@ -32,7 +32,7 @@ def _rank_rows(stdout: str) -> list[list[str]]:
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("Ranks"))
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.strip():
             break
         rows.append(line.split())
@@ -53,8 +53,13 @@ def test_cli_prints_the_rank_table_in_design_order(tmp_path):
         assert rank == (dp * 2 + pp) * 2 + tp and (dp, pp, tp) == tuple(vars(topo.coord(rank)).values())
         assert replica == dp
         assert row[5:] == (["s0", "L0-1+emb"] if pp == 0 else ["s1", "L2-3+head"])
-    for section in ("Parameters: 234,624", "Memory per rank", "Communication per optimizer step",
-                    "Pipeline bubble: 33.3%", "FLOPs:"):
+    for section in (
+        "Parameters: 234,624",
+        "Memory per rank",
+        "Communication per optimizer step",
+        "Pipeline bubble: 33.3%",
+        "FLOPs:",
+    ):
         assert section in proc.stdout, section
 
     # --json: the same as one object, for tools.
@@ -84,8 +89,9 @@ def test_without_a_cluster_ray_is_not_imported():
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -111,8 +117,15 @@ VOCAB = 50304  # GPT-2's 50257, padded to a multiple of 128
 def test_gpt3_presets(name):
     paper_params, layers, d, heads, d_head = TABLE_2_1[name]
     s, b, tp = 2048, 2, 4
-    cfg = load_config([f"model={name}", f"data.seq_len={s}", f"train.micro_batch_size={b}",
-                       "train.global_batch_size=8", f"topology.tp={tp}"])
+    cfg = load_config(
+        [
+            f"model={name}",
+            f"data.seq_len={s}",
+            f"train.micro_batch_size={b}",
+            "train.global_batch_size=8",
+            f"topology.tp={tp}",
+        ]
+    )
     plan = build_plan(cfg)
 
     # Parameters by hand from the table's shape: token and position embeddings; per layer
@@ -153,13 +166,19 @@ def test_bubble_fractions(pp, m):
     assert est.bubble_fraction("1f1b", 1, m)[0] == 0.0
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["+topology=pp2", "train.global_batch_size=16", "train.micro_batch_size=4"], 1 / 5),  # m=4
-    (["+topology=pp4", "train.global_batch_size=32", "train.micro_batch_size=4"], 3 / 11),  # m=8
-    (["+topology=pp2", "topology.schedule=gpipe", "train.micro_batch_size=8"], 1 / 3),  # m=2
-    (["+topology=pp2_interleaved", "train.micro_batch_size=2"], 1 / 17),  # m=8, v=2
-    (["topology.pp=4", "topology.schedule=interleaved_1f1b", "topology.stages_per_rank=2", "model.n_layers=8"], 3 / 11),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["+topology=pp2", "train.global_batch_size=16", "train.micro_batch_size=4"], 1 / 5),  # m=4
+        (["+topology=pp4", "train.global_batch_size=32", "train.micro_batch_size=4"], 3 / 11),  # m=8
+        (["+topology=pp2", "topology.schedule=gpipe", "train.micro_batch_size=8"], 1 / 3),  # m=2
+        (["+topology=pp2_interleaved", "train.micro_batch_size=2"], 1 / 17),  # m=8, v=2
+        (
+            ["topology.pp=4", "topology.schedule=interleaved_1f1b", "topology.stages_per_rank=2", "model.n_layers=8"],
+            3 / 11,
+        ),
+    ],
+)
 def test_the_plan_reports_the_bubble(overrides, expected):
     assert build_plan(load_config(overrides))["bubble"]["fraction"] == pytest.approx(expected)
 
@@ -171,8 +190,11 @@ def test_schedule_orders_are_torchs():
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
     def order(ops):
-        return [(kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
-                for a in ops if a is not None and a.computation_type.name in kinds]
+        return [
+            (kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
+            for a in ops
+            if a is not None and a.computation_type.name in kinds
+        ]
 
     for pp in (2, 3, 4):
         for m in range(1, 11):
@@ -183,15 +205,26 @@ def test_schedule_orders_are_torchs():
             rounds = max(1, m // pp)
             if m % rounds:
                 continue
-            for cls, name in ((schedules.ScheduleInterleaved1F1B, "interleaved_1f1b"),
-                              (schedules.ScheduleInterleavedZeroBubble, "interleaved_zb")):
-                stub = SimpleNamespace(pp_group_size=pp, n_local_stages=2, microbatches_per_round=m // rounds,
-                                       _n_microbatches=m)
+            for cls, name in (
+                (schedules.ScheduleInterleaved1F1B, "interleaved_1f1b"),
+                (schedules.ScheduleInterleavedZeroBubble, "interleaved_zb"),
+            ):
+                stub = SimpleNamespace(
+                    pp_group_size=pp, n_local_stages=2, microbatches_per_round=m // rounds, _n_microbatches=m
+                )
                 for r in range(pp):
                     assert rank_actions(name, pp, r, m, 2) == order(cls._calculate_single_rank_operations(stub, r))
     # 1F1B as Schedule1F1B._step_microbatches runs it: pp - stage warm-up forwards, then B/F.
-    assert rank_actions("1f1b", 2, 0, 4) == [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1),
-                                             ("F", 0, 3), ("B", 0, 2), ("B", 0, 3)]
+    assert rank_actions("1f1b", 2, 0, 4) == [
+        ("F", 0, 0),
+        ("F", 0, 1),
+        ("B", 0, 0),
+        ("F", 0, 2),
+        ("B", 0, 1),
+        ("F", 0, 3),
+        ("B", 0, 2),
+        ("B", 0, 3),
+    ]
 
 
 # ------------------------------------------------------------------------------------------
@@ -217,10 +250,23 @@ MEMORY_CASES = [
     # A vocabulary large against the activations: the last stage peaks when torch's schedule
     # concatenates every micro-batch's logits after the last backward; one rank peaks in the
     # optimizer step (AdamW's temporaries).
-    ("pp2 vocab 2048", ["+topology=pp2", "model.d_model=32", "model.vocab_size=2048", "data.seq_len=128",
-                        "train.micro_batch_size=2", "train.global_batch_size=8"], EXACT),
-    ("dp1 vocab 4096", ["model.vocab_size=4096", "data.seq_len=16", "train.micro_batch_size=1",
-                        "train.global_batch_size=2"], EXACT),
+    (
+        "pp2 vocab 2048",
+        [
+            "+topology=pp2",
+            "model.d_model=32",
+            "model.vocab_size=2048",
+            "data.seq_len=128",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+        ],
+        EXACT,
+    ),
+    (
+        "dp1 vocab 4096",
+        ["model.vocab_size=4096", "data.seq_len=16", "train.micro_batch_size=1", "train.global_batch_size=2"],
+        EXACT,
+    ),
     # Checkpointing: the walk keeps every block's checkpointed input (and the head's
     # activations) while one block is recomputed; torch frees them as backward passes each
     # block and holds a few gradients more instead (-0.6% on dp1, +1.7% / +0.8% on pp2).
@@ -264,8 +310,17 @@ def test_predicted_memory_matches_the_measured_peaks():
 def test_memory_parts_add_up_and_follow_the_schedule():
     plan = build_plan(load_config(["+topology=pp2", "topology.schedule=gpipe"]))
     for mem in plan["memory"]["per_pp_rank"]:
-        parts = ("params", "grads", "optimizer", "activations", "pipeline_buffers", "transient", "batch",
-                 "dp_buffers", "autocast_weights")
+        parts = (
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "pipeline_buffers",
+            "transient",
+            "batch",
+            "dp_buffers",
+            "autocast_weights",
+        )
         assert sum(mem[f"{k}_mb"] for k in parts) == pytest.approx(mem["total_mb"])
         assert mem["in_flight"] == {str(mem["pp_rank"]): 4}  # GPipe: every micro-batch
         assert mem["grads_mb"] == 0  # ... before the first backward has made a gradient
@@ -282,8 +337,13 @@ def test_most_saved_for_backward_over_the_step():
     # GPipe: every micro-batch in flight at the end of the forwards, on both stages, plus the last
     # stage's kept logits (b s V floats per micro-batch); 1F1B: pp - stage at most.
     m, b, s, v = 4, 2, 128, 2048
-    base = ["+topology=pp2", "model.vocab_size=2048", "data.seq_len=128", "train.global_batch_size=8",
-            "train.micro_batch_size=2"]
+    base = [
+        "+topology=pp2",
+        "model.vocab_size=2048",
+        "data.seq_len=128",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+    ]
     gpipe = load_config([*base, "topology.schedule=gpipe"])
     for r in range(2):
         mem = est.rank_memory(gpipe, r)
@@ -349,8 +409,12 @@ def test_placement_on_a_two_node_cluster(tmp_path):
     from clusters import local_cluster
 
     with local_cluster(head_cpus=0, node_cpus=[4, 4]) as (cluster, nodes):
-        proc = run_cli(["+topology=dp2_pp2_tp2", f"cluster.address={cluster.address}", "--json"],
-                       cwd=tmp_path, timeout=120, module="rayhybrid.plan")
+        proc = run_cli(
+            ["+topology=dp2_pp2_tp2", f"cluster.address={cluster.address}", "--json"],
+            cwd=tmp_path,
+            timeout=120,
+            module="rayhybrid.plan",
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         plan = json.loads(proc.stdout)
         # The placement groups were released again.

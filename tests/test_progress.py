@@ -35,8 +35,17 @@ def test_one_line_per_logged_step(tmp_path, caplog):
     out = RunLog(cfg)
     with caplog.at_level(logging.INFO, logger="rayhybrid"):
         for step in range(1, 5):
-            out.step({"step": step, "loss": 3.0 / step, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0,
-                      "step_time_s": 0.1, "consumed_samples": 16 * step})
+            out.step(
+                {
+                    "step": step,
+                    "loss": 3.0 / step,
+                    "lr": 1e-3,
+                    "grad_norm": 0.5,
+                    "tokens_per_s": 1000.0,
+                    "step_time_s": 0.1,
+                    "consumed_samples": 16 * step,
+                }
+            )
     out.close(RunSummary({}, {}, {}, 16, 4, str(tmp_path), "", status="completed"))
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
     assert [line.split("|")[0].strip() for line in logged] == ["step 1/4", "step 2/4", "step 4/4"]

@@ -18,6 +18,8 @@ import rayhybrid
 from rayhybrid import checkpoint_store
 from rayhybrid.controller import RunFailed
 
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
+
 COMMON = ["train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=32", "checkpoint.every=3"]
 
 
@@ -171,8 +173,9 @@ def test_failure_that_repeats_at_the_same_step_stops(tmp_path):
     tokens[::50] = 300  # ids past model.vocab_size=256: the embedding raises on every attempt
     np.save(tmp_path / "bad.npy", tokens)
     with pytest.raises(RunFailed) as info:
-        rayhybrid.train([*COMMON, "data=tokens", f"data.path={tmp_path / 'bad.npy'}", "train.steps=5"],
-                        run_dir=tmp_path / "run")
+        rayhybrid.train(
+            [*COMMON, "data=tokens", f"data.path={tmp_path / 'bad.npy'}", "train.steps=5"], run_dir=tmp_path / "run"
+        )
     message = str(info.value)
     assert "step 1 failed twice" in message and "rank 0" in message and "no checkpoint yet" in message
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -191,6 +194,29 @@ def test_failure_before_the_first_checkpoint_starts_over(tmp_path, reference):
     (recovery,) = summary["recoveries"]
     assert recovery["resume_step"] == 0 and summary["status"] == "completed"
     # The steps trained before the failure were dropped from metrics.jsonl and trained again.
-    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
+    steps = [
+        r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r
+    ]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert losses(run_dir) == pytest.approx(reference[:6], rel=1e-5)
+
+
+def test_failed_start_leaves_nothing_behind(tmp_path):
+    """Every worker fails while building its part (an unreadable token file): the start is torn
+    down (actors stopped, placement groups released) before it is tried again, and the run
+    stops once the same failure repeats."""
+    (tmp_path / "bad.npy").write_bytes(b"not a numpy file")
+    with pytest.raises(RunFailed) as info:
+        rayhybrid.train(
+            ["+topology=dp2", *COMMON, "data=tokens", f"data.path={tmp_path / 'bad.npy'}", "train.steps=3"],
+            run_dir=tmp_path / "run",
+        )
+    assert "step 1 failed twice" in str(info.value)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["restarts"] == 1
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 8  # every actor's CPU is back
+    states = {pg["state"] for pg in ray.util.placement_group_table().values()}
+    assert states <= {"REMOVED"}, states

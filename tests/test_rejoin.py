@@ -5,15 +5,28 @@ second, and the returning one is last. No Ray: plain processes run `TrainWorker`
 
 from __future__ import annotations
 
+import pytest
+
 from rayhybrid.config.compose import compose, to_config
 from rayhybrid.config.schema import with_dp
 from tests.distributed import run_worlds
 
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
+
 
 def test_worker_rejoins_a_world_of_the_same_shape_under_another_rank():
     # vocab 8192 puts the loss on the tensor-parallel sharded logits (loss_parallel=auto).
-    base = to_config(compose(["topology.tp=2", "train.global_batch_size=12", "train.micro_batch_size=2",
-                              "data.seq_len=16", "model.vocab_size=8192"]))
+    base = to_config(
+        compose(
+            [
+                "topology.tp=2",
+                "train.global_batch_size=12",
+                "train.micro_batch_size=2",
+                "data.seq_len=16",
+                "model.vocab_size=8192",
+            ]
+        )
+    )
     worlds = [
         {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5},  # dp3: replicas in slots 0, 1, 2
         {0: 0, 1: 1, 4: 2, 5: 3},  # slot 1's node is gone: dp2 on slots 0, 2

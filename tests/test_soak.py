@@ -40,8 +40,16 @@ pytestmark = pytest.mark.slow
 SEED = int(os.environ.get("RAYHYBRID_SOAK_SEED", "7"))
 SCALE = int(os.environ.get("RAYHYBRID_SOAK_SCALE", "1"))
 G = 12  # splits for dp 1, 2 and 3
-BASE = ["data.seq_len=32", f"train.global_batch_size={G}", "train.micro_batch_size=2", "checkpoint.every=2",
-        "checkpoint.keep=2", "fault.step_timeout_s=10", "fault.max_restarts=20", "train.warmup_steps=2"]
+BASE = [
+    "data.seq_len=32",
+    f"train.global_batch_size={G}",
+    "train.micro_batch_size=2",
+    "checkpoint.every=2",
+    "checkpoint.keep=2",
+    "fault.step_timeout_s=10",
+    "fault.max_restarts=20",
+    "train.warmup_steps=2",
+]
 ELASTIC = ["elastic.enabled=true", "elastic.min_dp=1", "elastic.max_dp=3", "elastic.reschedule_timeout_s=3"]
 REPORT: dict[str, list[float]] = {}
 
@@ -111,12 +119,13 @@ def lose_nodes(cluster, run_dir: Path, plan: list[tuple[int, bool]], elastic: bo
         if not graceful:
             lose_power(workers, victim.node_id)
         happened.append((last["step"] + 1, "node lost gracefully" if graceful else "node killed outright"))
-        wait_for(lambda n=restarts: ended(run_dir) or len([r for r in records(run_dir) if r.get("event") == "restart"]) > n,
-                 "the recovery")
+        wait_for(
+            lambda n=restarts: ended(run_dir) or len([r for r in records(run_dir) if r.get("event") == "restart"]) > n,
+            "the recovery",
+        )
         add_node(cluster, 2)
         if elastic:
-            wait_for(lambda: ended(run_dir) or steps_done(run_dir)[-1]["dp"] == 3,
-                     "the grow back to dp 3")
+            wait_for(lambda: ended(run_dir) or steps_done(run_dir)[-1]["dp"] == 3, "the grow back to dp 3")
     return happened
 
 
@@ -170,8 +179,14 @@ def fixed_run_plan(rng: random.Random, steps: int, offset: int = 0) -> tuple[lis
     kill, hang, raise_ = rng.sample(free, 3)
     kill, hang, raise_, save, pair, node = (step + offset for step in (kill, hang, raise_, save, pair, node))
     ranks = [rng.randrange(8) for _ in range(5)]  # dp2_pp2_tp2 has 8 ranks
-    faults = [f"kill@{kill}:{ranks[0]}", f"hang@{hang}:{ranks[1]}", f"raise@{raise_}", f"kill_save@{save}:{ranks[2]}",
-              f"kill@{pair}:{ranks[3]}", f"kill@{pair + 1}:{ranks[4]}"]
+    faults = [
+        f"kill@{kill}:{ranks[0]}",
+        f"hang@{hang}:{ranks[1]}",
+        f"raise@{raise_}",
+        f"kill_save@{save}:{ranks[2]}",
+        f"kill@{pair}:{ranks[3]}",
+        f"kill@{pair + 1}:{ranks[4]}",
+    ]
     return faults, node
 
 
@@ -211,8 +226,14 @@ def test_elastic_tp2_replicas(cluster, tmp_path, dp1_reference):
     steps = 16 * SCALE
     three_nodes(cluster)
     kill_at = rng.randrange(3, 6)
-    overrides = [*BASE, *ELASTIC, "topology.tp=2", "topology.dp=3", f"train.steps={steps}",
-                 f"fault.inject=[kill@{kill_at}]"]
+    overrides = [
+        *BASE,
+        *ELASTIC,
+        "topology.tp=2",
+        "topology.dp=3",
+        f"train.steps={steps}",
+        f"fault.inject=[kill@{kill_at}]",
+    ]
     run_dir = tmp_path / "run"
     thread, result = in_background(overrides, run_dir)
     plan = [(rng.randrange(6, 8), True), (rng.randrange(10 * SCALE, 12 * SCALE), False)]
@@ -230,8 +251,16 @@ def test_elastic_pp2_replicas_random_faults(cluster, tmp_path, dp1_reference):
     rng = random.Random(SEED + 2)
     steps = 16 * SCALE
     three_nodes(cluster)
-    overrides = [*BASE, *ELASTIC, "topology.pp=2", "topology.dp=3", f"train.steps={steps}",
-                 "fault.inject_rate=0.15", f"fault.inject_seed={SEED}", "fault.inject_kinds=[kill,raise,kill_save]"]
+    overrides = [
+        *BASE,
+        *ELASTIC,
+        "topology.pp=2",
+        "topology.dp=3",
+        f"train.steps={steps}",
+        "fault.inject_rate=0.15",
+        f"fault.inject_seed={SEED}",
+        "fault.inject_kinds=[kill,raise,kill_save]",
+    ]
     # The node goes at a step no random fault is near, so the two make two recoveries.
     plan = FaultPlan(to_config(compose(overrides)).fault)
     drawn = {step for step in range(1, steps + 1) for phase in ("step", "save") if plan.due(step, phase, 6)}

@@ -61,7 +61,15 @@ def test_replica_ranks(dp, pp, tp):
 
 @pytest.mark.parametrize(
     "n_layers,n_stages,sizes",
-    [(5, 2, [3, 2]), (4, 2, [2, 2]), (4, 4, [1, 1, 1, 1]), (7, 3, [3, 2, 2]), (8, 3, [3, 3, 2]), (6, 1, [6]), (10, 4, [3, 3, 2, 2])],
+    [
+        (5, 2, [3, 2]),
+        (4, 2, [2, 2]),
+        (4, 4, [1, 1, 1, 1]),
+        (7, 3, [3, 2, 2]),
+        (8, 3, [3, 3, 2]),
+        (6, 1, [6]),
+        (10, 4, [3, 3, 2, 2]),
+    ],
 )
 def test_split_layers(n_layers, n_stages, sizes):
     ranges = split_layers(n_layers, n_stages)
@@ -72,7 +80,7 @@ def test_split_layers(n_layers, n_stages, sizes):
 
 
 def test_split_layers_docstring_example():
-    assert split_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert split_layers(5, 2) == [range(3), range(3, 5)]
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,8 @@ import shlex
 import pytest
 from test_cli import assert_one_line_error, run_cli
 
+pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
+
 BUDGET_MB = 6  # the tiny model on pp2: about 2 MB fixed and 0.6-1.1 MB per sample
 COLUMNS = {"micro_batch_size", "num_microbatches", "activation_checkpointing", "peak_mb", "oom", "tokens_per_s"}
 
@@ -17,8 +19,12 @@ COLUMNS = {"micro_batch_size", "num_microbatches", "activation_checkpointing", "
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     out = tmp_path_factory.mktemp("tune")
-    proc = run_cli(["+topology=pp2", f"tune.memory_budget_mb={BUDGET_MB}", f"hydra.run.dir={out}/run"],
-                   cwd=out, timeout=600, module="rayhybrid.tune")
+    proc = run_cli(
+        ["+topology=pp2", f"tune.memory_budget_mb={BUDGET_MB}", f"hydra.run.dir={out}/run"],
+        cwd=out,
+        timeout=600,
+        module="rayhybrid.tune",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = out / "run"
     with open(run / "tune_results.csv") as f:
@@ -65,9 +71,20 @@ def test_one_more_sample_does_not_fit(tuned, tmp_path):
     _, run, _ = tuned
     largest = json.loads((run / "tune_summary.json").read_text())["largest_micro_batch"]["false"]
     m = largest + 1
-    proc = run_cli(["+topology=pp2", f"train.micro_batch_size={m}", f"train.global_batch_size={2 * m}",
-                    "train.steps=2", "metrics.memory=true", f"tune.memory_budget_mb={BUDGET_MB}",
-                    "fault.max_restarts=0", "checkpoint.every=0", f"hydra.run.dir={tmp_path}/over"], cwd=tmp_path)
+    proc = run_cli(
+        [
+            "+topology=pp2",
+            f"train.micro_batch_size={m}",
+            f"train.global_batch_size={2 * m}",
+            "train.steps=2",
+            "metrics.memory=true",
+            f"tune.memory_budget_mb={BUDGET_MB}",
+            "fault.max_restarts=0",
+            "checkpoint.every=0",
+            f"hydra.run.dir={tmp_path}/over",
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1 and "OutOfMemoryError" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -83,8 +100,17 @@ def test_best_yaml_and_the_printed_command_train(tuned, tmp_path):
             key, value = line.split(": ")
             assert f"{key}={value}" in args
     # Train with it (a few steps, counting memory against the same budget): it fits.
-    ran = run_cli([*args[3:], "train.steps=2", "metrics.memory=true", f"tune.memory_budget_mb={BUDGET_MB}",
-                   "checkpoint.every=0", f"hydra.run.dir={tmp_path}/best"], cwd=tmp_path)
+    ran = run_cli(
+        [
+            *args[3:],
+            "train.steps=2",
+            "metrics.memory=true",
+            f"tune.memory_budget_mb={BUDGET_MB}",
+            "checkpoint.every=0",
+            f"hydra.run.dir={tmp_path}/best",
+        ],
+        cwd=tmp_path,
+    )
     assert ran.returncode == 0, ran.stderr[-2000:]
 
 

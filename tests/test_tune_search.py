@@ -126,7 +126,11 @@ def result(oracle: Oracle, point: dict, speed=lambda p: 0.0) -> dict:
     """A trial's report from the oracle: `oom`, `tokens_per_s`, `peak_mb/<key>`. The oracle's
     memory does not depend on the number of micro-batches (1F1B past the pipeline fill)."""
     peaks, oom = oracle.run(point["micro_batch_size"])
-    return {"oom": int(oom), "tokens_per_s": 0.0 if oom else speed(point), **{PEAK_PREFIX + k: v for k, v in peaks.items()}}
+    return {
+        "oom": int(oom),
+        "tokens_per_s": 0.0 if oom else speed(point),
+        **{PEAK_PREFIX + k: v for k, v in peaks.items()},
+    }
 
 
 def test_plan_finds_the_largest_micro_batch_then_the_fastest_point_that_fits():
@@ -134,7 +138,9 @@ def test_plan_finds_the_largest_micro_batch_then_the_fastest_point_that_fits():
     truth = oracle.true_max()
 
     def speed(p):  # bigger pieces and more of them run faster; checkpointing costs a third
-        return p["micro_batch_size"] ** 0.5 * p["num_microbatches"] ** 0.2 * (0.67 if p["activation_checkpointing"] else 1)
+        return (
+            p["micro_batch_size"] ** 0.5 * p["num_microbatches"] ** 0.2 * (0.67 if p["activation_checkpointing"] else 1)
+        )
 
     plan = TunePlan(oracle.budget_mb, n0=4, activation_checkpointing=(False,))
     points = []
@@ -161,23 +167,33 @@ def test_plan_with_activation_checkpointing_and_an_out_of_memory_frontier_point(
     while (point := plan.next()) is not None:
         seen.append(point)
         out = result(oracle, point, lambda p: float(p["micro_batch_size"]))
-        if point["purpose"] == "throughput" and point["num_microbatches"] == 4 and not point["activation_checkpointing"]:
+        if (
+            point["purpose"] == "throughput"
+            and point["num_microbatches"] == 4
+            and not point["activation_checkpointing"]
+        ):
             out = {"oom": 1, "tokens_per_s": 0.0}  # more micro-batches did not fit after all
         plan.observe(point, out)
     assert {p["activation_checkpointing"] for p in seen if p["purpose"] == "memory"} == {False, True}
     assert any(r.oom and r.purpose == "throughput" for r in plan.records)
     assert plan.best is not None and plan.best.fits(oracle.budget_mb) and not plan.best.oom
     with pytest.raises(ValueError, match="expected a result"):
-        plan.observe({"micro_batch_size": 99, "num_microbatches": 2, "activation_checkpointing": False,
-                      "purpose": "memory"}, {})
+        plan.observe(
+            {"micro_batch_size": 99, "num_microbatches": 2, "activation_checkpointing": False, "purpose": "memory"}, {}
+        )
 
 
 def test_searcher_drives_one_trial_at_a_time_and_counts_a_crash_as_not_fitting():
     oracle = Oracle(random.Random(7), budget_mb=10_000, pp=2)
     searcher = PlanSearcher(TunePlan(oracle.budget_mb, n0=2, activation_checkpointing=(False,)), base_config={"x": 3})
     first = searcher.suggest("t1")
-    assert first == {"x": 3, "micro_batch_size": 1, "num_microbatches": 2, "activation_checkpointing": False,
-                     "purpose": "memory"}
+    assert first == {
+        "x": 3,
+        "micro_batch_size": 1,
+        "num_microbatches": 2,
+        "activation_checkpointing": False,
+        "purpose": "memory",
+    }
     assert searcher.suggest("t2") is None  # waits for t1's result
     searcher.on_trial_complete("t1", result(oracle, first))
     second = searcher.suggest("t2")
@@ -205,8 +221,9 @@ def test_searcher_in_a_ray_tune_run(tmp_path):
     def trial(config):
         peaks, oom = table[config["micro_batch_size"]]
         speed = config["micro_batch_size"] * config["num_microbatches"]
-        tune.report({"oom": int(oom), "tokens_per_s": 0.0 if oom else float(speed),
-                     **{prefix + k: v for k, v in peaks.items()}})
+        tune.report(
+            {"oom": int(oom), "tokens_per_s": 0.0 if oom else float(speed), **{prefix + k: v for k, v in peaks.items()}}
+        )
 
     searcher = PlanSearcher(TunePlan(oracle.budget_mb, n0=4, activation_checkpointing=(False,)))
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
@@ -234,8 +251,11 @@ def test_a_fixed_level_that_hides_growth_at_the_probes_is_approached_not_jumped_
     from rayhybrid.tune.search import RAMP
 
     def peaks(m):  # the figures seen there, as lines: forward, backward (1 and 2 measured flat)
-        return {"stage0/forward": max(6261.5, 4700.0 + 498.0 * m), "stage0/backward": max(6265.5, 4712.0 + 693.5 * m),
-                "stage0/optimizer": 7810.5}
+        return {
+            "stage0/forward": max(6261.5, 4700.0 + 498.0 * m),
+            "stage0/backward": max(6265.5, 4712.0 + 693.5 * m),
+            "stage0/optimizer": 7810.5,
+        }
 
     device_mb, budget = 139_000.0, 24_000.0
     s = MicroBatchSearch(budget)

@@ -155,8 +155,12 @@ def controller_callback(events):
         def after_report(self, training_report, metrics):  # every rank reported; checkpoint registered
             self.log("report", step=metrics[0].get("step"), checkpoint=training_report.checkpoint is not None)
 
-    hooks = {"before_worker_group_shutdown": "shutdown_begin", "after_worker_group_shutdown": "shutdown_end",
-             "before_worker_group_start": "start_begin", "after_worker_group_start": "start_end"}
+    hooks = {
+        "before_worker_group_shutdown": "shutdown_begin",
+        "after_worker_group_shutdown": "shutdown_end",
+        "before_worker_group_start": "start_begin",
+        "after_worker_group_start": "start_end",
+    }
     # start_end: after the callbacks before this one, Ray's torch process-group setup among them
     for hook, event in hooks.items():
         setattr(Timeline, hook, lambda self, *_, _e=event: self.log(_e))
@@ -239,10 +243,19 @@ def main(argv=None) -> int:
         print(f"raytrain_train: error: {error}", file=sys.stderr)
         return 1
     interval = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
-    out = {"launcher": "raytrain", "ray_train_v2": ray.train.is_v2_enabled(), "num_workers": n, "steps": args.steps,
-           "global_batch_size": G, "micro_batch_size": m, "health_check_interval_s": interval,
-           "start_wall": START_WALL, "ray_init_s": round(ray_init_s, 3), "fit_start_wall": fit_wall,
-           "end_wall": time.time()}
+    out = {
+        "launcher": "raytrain",
+        "ray_train_v2": ray.train.is_v2_enabled(),
+        "num_workers": n,
+        "steps": args.steps,
+        "global_batch_size": G,
+        "micro_batch_size": m,
+        "health_check_interval_s": interval,
+        "start_wall": START_WALL,
+        "ray_init_s": round(ray_init_s, 3),
+        "fit_start_wall": fit_wall,
+        "end_wall": time.time(),
+    }
     out.update(summarize(result.return_value, events, fit_wall, kill, args.kill_at, by_controller))
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out), flush=True)
@@ -261,35 +274,56 @@ def summarize(res, events, fit_wall, kill, kill_at, by_controller):
 
         r0 = next(x for x in procs if x["rank"] == 0)
         last_proc = max((x["proc_start"] or 0) for x in procs) or None
-        return at, r0, {
-            "start_group_s": span(at("start_begin"), at("start_end")),  # place + actors + torch dist init
-            "last_proc_started_s": span(at("start_begin"), last_proc),  # of that, spawning processes
-            "launch_train_fn_s": span(at("start_end"), max(x["fn_start"] for x in procs)),
-            "imports_s": span(r0["fn_start"], r0["imported"]), "build_model_s": span(r0["imported"], r0["built"]),
-            "load_checkpoint_s": span(r0["built"], r0["loaded"]),
-            "first_step_s": span(r0["loaded"], r0["first_step_end"]),
-        }
+        return (
+            at,
+            r0,
+            {
+                "start_group_s": span(at("start_begin"), at("start_end")),  # place + actors + torch dist init
+                "last_proc_started_s": span(at("start_begin"), last_proc),  # of that, spawning processes
+                "launch_train_fn_s": span(at("start_end"), max(x["fn_start"] for x in procs)),
+                "imports_s": span(r0["fn_start"], r0["imported"]),
+                "build_model_s": span(r0["imported"], r0["built"]),
+                "load_checkpoint_s": span(r0["built"], r0["loaded"]),
+                "first_step_s": span(r0["loaded"], r0["first_step_end"]),
+            },
+        )
 
     kill_wall = kill.get("wall", float("inf"))
     at, r0, startup = phases(fit_wall, [x for x in marks if x["fn_start"] < kill_wall])
     startup = {"controller_s": span(fit_wall, at("start_begin")), **startup}
-    out = {"step_times_s": res["step_times_s"], "losses": res["losses"], "fn_start_wall": r0["fn_start"],
-           "first_step_wall": r0["first_step_end"], "startup": startup}
+    out = {
+        "step_times_s": res["step_times_s"],
+        "losses": res["losses"],
+        "fn_start_wall": r0["fn_start"],
+        "first_step_wall": r0["first_step_end"],
+        "startup": startup,
+    }
     if not kill_at:
         return out
     at, r0, restart = phases(kill_wall, [x for x in marks if x["fn_start"] > kill_wall])
     done = max(e["step"] for e in read(events, "steps.jsonl") if e["wall"] < kill_wall)  # rank 0's, before the kill
-    breakdown = {"detect_s": span(kill_wall, at("poll_error")),
-                 "decide_s": span(at("poll_error"), at("shutdown_begin")),
-                 "teardown_s": span(at("shutdown_begin"), at("shutdown_end")),
-                 "place_wait_s": span(at("shutdown_end"), at("start_begin")), **restart}
-    return {**out, "killed_rank": kill["rank"], "killed_pid": kill["pid"], "kill_at": kill_at, "kill_wall": kill_wall,
-            "kill_after": "controller" if by_controller else "worker",
-            "kill_to_first_step_s": span(kill_wall, r0["first_step_end"]), "breakdown": breakdown,
-            "last_step_before_kill": done, "resumed_from_step": r0["resumed_from"],
-            "steps_redone": done - r0["resumed_from"],
-            "restarts": sum(e["event"] == "start_begin" for e in ctl) - 1 if ctl else None,
-            "report_s_mean": round(sum(res["report_s"]) / max(1, len(res["report_s"])), 3)}
+    breakdown = {
+        "detect_s": span(kill_wall, at("poll_error")),
+        "decide_s": span(at("poll_error"), at("shutdown_begin")),
+        "teardown_s": span(at("shutdown_begin"), at("shutdown_end")),
+        "place_wait_s": span(at("shutdown_end"), at("start_begin")),
+        **restart,
+    }
+    return {
+        **out,
+        "killed_rank": kill["rank"],
+        "killed_pid": kill["pid"],
+        "kill_at": kill_at,
+        "kill_wall": kill_wall,
+        "kill_after": "controller" if by_controller else "worker",
+        "kill_to_first_step_s": span(kill_wall, r0["first_step_end"]),
+        "breakdown": breakdown,
+        "last_step_before_kill": done,
+        "resumed_from_step": r0["resumed_from"],
+        "steps_redone": done - r0["resumed_from"],
+        "restarts": sum(e["event"] == "start_begin" for e in ctl) - 1 if ctl else None,
+        "report_s_mean": round(sum(res["report_s"]) / max(1, len(res["report_s"])), 3),
+    }
 
 
 if __name__ == "__main__":

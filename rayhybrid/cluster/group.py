@@ -165,9 +165,13 @@ class WorkerGroup:
         for rank in dead:
             slot = self.active[topo.coord(rank).dp]
             self.replicas[slot][rank % topo.replica_size] = None
-        log.info("kept %d worker(s), replacing %d (ranks %s)%s", len(workers) - len(dead), len(dead),
-                 ",".join(map(str, sorted(dead))) or "none",
-                 f"; {len(nodes_lost)} node(s) lost" if nodes_lost else "")
+        log.info(
+            "kept %d worker(s), replacing %d (ranks %s)%s",
+            len(workers) - len(dead),
+            len(dead),
+            ",".join(map(str, sorted(dead))) or "none",
+            f"; {len(nodes_lost)} node(s) lost" if nodes_lost else "",
+        )
         broken = frozenset(self.active[topo.coord(rank).dp] for rank in dead)
         return Drained(frozenset(dead), broken, frozenset(nodes_lost))
 
@@ -231,8 +235,13 @@ class WorkerGroup:
         master_port = self._get([workers[0].free_port.remote()], timeout, "start")[0]
         master_addr = self.infos[0].ip
         calls = [
-            w.setup.remote(master_addr, master_port, tuple(sorted(set(gpus_by_node[info.node_id]), key=_gpu_key)),
-                           rank=rank, cfg=self.cfg)
+            w.setup.remote(
+                master_addr,
+                master_port,
+                tuple(sorted(set(gpus_by_node[info.node_id]), key=_gpu_key)),
+                rank=rank,
+                cfg=self.cfg,
+            )
             for rank, (w, info) in enumerate(zip(workers, self.infos))
         ]
         self.descriptions = self._get(calls, timeout, "setup")
@@ -264,7 +273,9 @@ class WorkerGroup:
             for name in ("peak_mb", "activation_mb"):  # metrics.memory: every rank's, "rank<r>/stage<s>/<phase>"
                 if name in metrics:
                     metrics[name] = {
-                        f"rank{rank}/{key}": mb for rank, steps in enumerate(results) for key, mb in steps[i][name].items()
+                        f"rank{rank}/{key}": mb
+                        for rank, steps in enumerate(results)
+                        for key, mb in steps[i][name].items()
                     }
             bubbles = [steps[i]["bubble"] for steps in results if steps[i].get("bubble") is not None]
             metrics["bubble"] = sum(bubbles) / len(bubbles) if bubbles else None  # the pipeline's idle share

@@ -64,8 +64,10 @@ def wait_for_node_verdicts(suspects: set[str], timeout_s: float, probe_s: float 
     suspects = set(suspects) - already
     if not suspects:
         return already
-    probes = {node: _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-              for node in suspects}
+    probes = {
+        node: _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        for node in suspects
+    }
     answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=probe_s)
     silent = {node for node, ref in probes.items() if ref not in answered}
     deadline = time.monotonic() + timeout_s
@@ -104,7 +106,9 @@ def check_capacity(shape: ReplicaShape, dp: int, nodes: list[dict] | None = None
     asked = ranks * per_rank
     exist = sum(node.get("Resources", {}).get(device, 0.0) for node in nodes)
     largest = max((node.get("Resources", {}).get(device, 0.0) for node in nodes), default=0.0)
-    hint = "lower topology.dp/pp/tp, add nodes" + (", or raise cluster.num_cpus for a local Ray" if device == "CPU" else "")
+    hint = "lower topology.dp/pp/tp, add nodes" + (
+        ", or raise cluster.num_cpus for a local Ray" if device == "CPU" else ""
+    )
     if shape.bundle()[device] > largest:
         raise PlacementError(
             "topology.tp",

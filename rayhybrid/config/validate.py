@@ -32,10 +32,18 @@ def _positive(cfg: Config) -> None:
             value = getattr(getattr(cfg, section), name)
             if value <= 0:
                 raise ConfigError(f"{section}.{name}", f"must be positive, got {value}; set {section}.{name}=1 or more")
-    for section, name in (("train", "lr"), ("train", "min_lr"), ("train", "warmup_steps"),
-                          ("train", "weight_decay"), ("train", "grad_clip"), ("cluster", "num_cpus"),
-                          ("checkpoint", "every"), ("checkpoint", "keep"), ("fault", "max_restarts"),
-                          ("elastic", "max_dp")):
+    for section, name in (
+        ("train", "lr"),
+        ("train", "min_lr"),
+        ("train", "warmup_steps"),
+        ("train", "weight_decay"),
+        ("train", "grad_clip"),
+        ("cluster", "num_cpus"),
+        ("checkpoint", "every"),
+        ("checkpoint", "keep"),
+        ("fault", "max_restarts"),
+        ("elastic", "max_dp"),
+    ):
         value = getattr(getattr(cfg, section), name)
         if value < 0:
             raise ConfigError(f"{section}.{name}", f"must not be negative, got {value}")
@@ -59,15 +67,19 @@ def validate(cfg: Config) -> None:
     if m.head_dim < 0:
         raise ConfigError("model.head_dim", f"must not be negative, got {m.head_dim}; 0 means d_model // n_heads")
     if m.head_dim == 0 and m.d_model % m.n_heads:
-        raise ConfigError("model.d_model", f"{m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a multiple or set model.head_dim")
+        raise ConfigError(
+            "model.d_model",
+            f"{m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a multiple or set model.head_dim",
+        )
     if m.n_heads % t.tp:
         raise ConfigError(
             "topology.tp", f"tp={t.tp} does not divide model.n_heads={m.n_heads}; use a tp that divides {m.n_heads}"
         )
     if m.vocab_size % t.tp:
         raise ConfigError(
-            "topology.tp", f"tp={t.tp} does not divide model.vocab_size={m.vocab_size} (vocab-parallel embedding); "
-            "pad the vocabulary to a multiple of tp"
+            "topology.tp",
+            f"tp={t.tp} does not divide model.vocab_size={m.vocab_size} (vocab-parallel embedding); "
+            "pad the vocabulary to a multiple of tp",
         )
 
     virtual = Layout.of(cfg).virtual_stages
@@ -78,7 +90,10 @@ def validate(cfg: Config) -> None:
             f"or topology.schedule=interleaved_1f1b",
         )
     if t.pp > 1 and t.schedule == "zbv" and t.stages_per_rank != 2:
-        raise ConfigError("topology.stages_per_rank", "schedule zbv places exactly two stages per rank; set topology.stages_per_rank=2")
+        raise ConfigError(
+            "topology.stages_per_rank",
+            "schedule zbv places exactly two stages per rank; set topology.stages_per_rank=2",
+        )
     stages = Layout.of(cfg).num_stages
     if stages > m.n_layers:
         raise ConfigError(
@@ -94,14 +109,18 @@ def validate(cfg: Config) -> None:
     validate_faults(cfg)
 
     if d.name == "text" and m.vocab_size < 256:
-        raise ConfigError("model.vocab_size", f"text data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}")
+        raise ConfigError(
+            "model.vocab_size", f"text data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}"
+        )
     if d.name in ("text", "tokens"):
         if not d.path:
             raise ConfigError("data.path", f"data={d.name} needs data.path=<file, directory or glob>")
         if d.name == "tokens" and not os.path.isfile(os.path.expanduser(d.path)):
             raise ConfigError("data.path", f"token file {d.path!r} does not exist")
         if d.name == "text" and not d.text_files():
-            raise ConfigError("data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob")
+            raise ConfigError(
+                "data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob"
+            )
 
 
 def _batch_split(cfg: Config, dp: int) -> None:

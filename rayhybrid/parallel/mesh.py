@@ -49,8 +49,7 @@ def forget_meshes() -> None:
     cluster/worker.py)."""
     import gc
 
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 

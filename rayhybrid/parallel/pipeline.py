@@ -43,9 +43,7 @@ def build_schedule(
     gradient of the replica's mean loss. `instrument` is called with each `PipelineStage` (the
     memory meter labels its forward and backward chunks).
     """
-    pipeline_stages = [
-        PipelineStage(module, index, num_stages, device, group=group) for index, module in stages
-    ]
+    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
     for stage in pipeline_stages if instrument is not None else ():
         instrument(stage)
     cls = SCHEDULE_CLASSES[schedule]

@@ -300,12 +300,31 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.activations + self.pipeline_buffers
-                + self.transient + self.batch + self.dp_buffers + self.autocast_weights)
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.pipeline_buffers
+            + self.transient
+            + self.batch
+            + self.dp_buffers
+            + self.autocast_weights
+        )
 
     def as_dict(self) -> dict:
-        keys = ("params", "grads", "optimizer", "activations", "pipeline_buffers", "transient", "batch",
-                "dp_buffers", "autocast_weights", "total")
+        keys = (
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "pipeline_buffers",
+            "transient",
+            "batch",
+            "dp_buffers",
+            "autocast_weights",
+            "total",
+        )
         return {
             "pp_rank": self.pp_rank,
             "stages": self.stages,
@@ -383,9 +402,19 @@ def _stage_cost(cfg: Config, stage: Stage, remote_prev: bool, remote_next: bool)
         emb = stage.tensors[0]
         grad_extra = FLOAT * (emb.numel - emb.local_numel(tp))
     return _StageCost(
-        stage=stage, held=held, head_saved=head, fwd_transient=fwd, head_transient=head_tr,
-        output_transient=out_tr, block_transient=block_tr, embedding_transient=emb_tr, w_intermediates=w_int, logits=logits if (stage.last and t.pp > 1) else 0,
-        out_send=bsd if remote_next else 0, grad_send=bsd if remote_prev else 0, grad_extra=grad_extra,
+        stage=stage,
+        held=held,
+        head_saved=head,
+        fwd_transient=fwd,
+        head_transient=head_tr,
+        output_transient=out_tr,
+        block_transient=block_tr,
+        embedding_transient=emb_tr,
+        w_intermediates=w_int,
+        logits=logits if (stage.last and t.pp > 1) else 0,
+        out_send=bsd if remote_next else 0,
+        grad_send=bsd if remote_prev else 0,
+        grad_extra=grad_extra,
     )
 
 
@@ -437,8 +466,12 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
     grads_final = params + (grad_extra if not shard else 0)
     # FSDP2 accumulates micro-batches' gradients unsharded (no reduce-scatter until the last
     # one; a pipeline holds them to the end of the step).
-    grads_during = {sid: FLOAT * sum(p.local_numel(t.tp, 1 if (shard and (m > 1 or t.pp > 1)) else dp_div)
-                                     for p in all_stages[sid].tensors) + costs[sid].grad_extra for sid in owned}
+    grads_during = {
+        sid: FLOAT
+        * sum(p.local_numel(t.tp, 1 if (shard and (m > 1 or t.pp > 1)) else dp_div) for p in all_stages[sid].tensors)
+        + costs[sid].grad_extra
+        for sid in owned
+    }
 
     # Unsharded parameter copies that data parallelism holds while forward and backward run.
     dp_copies, head_sees_copies = 0, True
@@ -573,16 +606,37 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
     assert best is not None
     total, parts = best
     if opt_total > total:
-        parts = {"params": params, "grads": grads_final, "optimizer": optimizer, "activations": 0,
-                 "pipeline_buffers": recv + kept_logits, "transient": opt_temp, "batch": 0, "dp_buffers": 0,
-                 "autocast_weights": 0, "in_flight": {sid: 0 for sid in owned}, "where": "optimizer step"}
+        parts = {
+            "params": params,
+            "grads": grads_final,
+            "optimizer": optimizer,
+            "activations": 0,
+            "pipeline_buffers": recv + kept_logits,
+            "transient": opt_temp,
+            "batch": 0,
+            "dp_buffers": 0,
+            "autocast_weights": 0,
+            "in_flight": {sid: 0 for sid in owned},
+            "where": "optimizer step",
+        }
     if t.schedule == "gpipe" and t.pp > 1 and not parts["grads"]:
         notes.append("GPipe peaks before the first backward ends: no gradients exist yet at the peak")
     return RankMemory(
-        pp_rank=pp_rank, stages=owned, params=parts["params"], grads=parts["grads"], optimizer=parts["optimizer"],
-        activations=parts["activations"], pipeline_buffers=parts["pipeline_buffers"], transient=parts["transient"],
-        batch=parts["batch"], dp_buffers=parts["dp_buffers"], autocast_weights=parts["autocast_weights"],
-        peak_at=parts["where"], in_flight=parts["in_flight"], notes=notes, saved_peak=saved_peak,
+        pp_rank=pp_rank,
+        stages=owned,
+        params=parts["params"],
+        grads=parts["grads"],
+        optimizer=parts["optimizer"],
+        activations=parts["activations"],
+        pipeline_buffers=parts["pipeline_buffers"],
+        transient=parts["transient"],
+        batch=parts["batch"],
+        dp_buffers=parts["dp_buffers"],
+        autocast_weights=parts["autocast_weights"],
+        peak_at=parts["where"],
+        in_flight=parts["in_flight"],
+        notes=notes,
+        saved_peak=saved_peak,
         max_in_flight=max_in_flight,
     )
 
@@ -630,8 +684,11 @@ def communication(cfg: Config, pp_rank: int) -> dict:
 
     dp: dict = {"kind": "none", "payload_bytes": 0, "wire_bytes": 0}
     if t.dp > 1 and not t.dp_shard:
-        dp = {"kind": "all-reduce of gradients", "payload_bytes": local,
-              "wire_bytes": ring_all_reduce_wire(local, t.dp)}
+        dp = {
+            "kind": "all-reduce of gradients",
+            "payload_bytes": local,
+            "wire_bytes": ring_all_reduce_wire(local, t.dp),
+        }
     elif t.dp > 1:
         # Without a pipeline every micro-batch gathers each block and the root twice (forward,
         # and again for backward); a pipeline gathers once and keeps them to the step's end.
@@ -683,6 +740,11 @@ def communication(cfg: Config, pp_rank: int) -> dict:
         if not st.first and owner[sid - 1] != pp_rank:
             recv += boundary
             send += boundary
-    pp = {"kind": "point-to-point" if send else "none", "send_bytes": send, "recv_bytes": recv,
-          "payload_bytes": send, "wire_bytes": send}
+    pp = {
+        "kind": "point-to-point" if send else "none",
+        "send_bytes": send,
+        "recv_bytes": recv,
+        "payload_bytes": send,
+        "wire_bytes": send,
+    }
     return {"dp": dp, "tp": tp, "pp": pp, "total_wire_bytes": dp["wire_bytes"] + tp["wire_bytes"] + pp["wire_bytes"]}

@@ -53,11 +53,13 @@ def place(cfg: Config) -> dict:
     for rank in range(topo.world_size):
         c = topo.coord(rank)
         node_id = bundles[c.dp][c.pp]  # bundle index = pipeline stage (cluster/group.py)
-        ranks.append({
-            "rank": rank,
-            "replica": c.dp,
-            "bundle": c.pp,
-            "node_id": node_id,
-            "node": nodes.get(node_id, {}).get("NodeManagerAddress", "?"),
-        })
+        ranks.append(
+            {
+                "rank": rank,
+                "replica": c.dp,
+                "bundle": c.pp,
+                "node_id": node_id,
+                "node": nodes.get(node_id, {}).get("NodeManagerAddress", "?"),
+            }
+        )
     return {"device": "GPU" if shape.use_gpu else "CPU", "ranks": ranks}

@@ -24,9 +24,20 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
     for rank in range(topo.world_size):
         c = topo.coord(rank)
         row = {
-            "rank": rank, "dp": c.dp, "pp": c.pp, "tp": c.tp, "replica": c.dp,
-            "stages": [{"stage": i, "layers": [all_stages[i].layers.start, all_stages[i].layers.stop - 1],
-                        "first": all_stages[i].first, "last": all_stages[i].last} for i in owned[c.pp]],
+            "rank": rank,
+            "dp": c.dp,
+            "pp": c.pp,
+            "tp": c.tp,
+            "replica": c.dp,
+            "stages": [
+                {
+                    "stage": i,
+                    "layers": [all_stages[i].layers.start, all_stages[i].layers.stop - 1],
+                    "first": all_stages[i].first,
+                    "last": all_stages[i].last,
+                }
+                for i in owned[c.pp]
+            ],
         }
         if placement:
             row.update(node=placed[rank]["node"], node_id=placed[rank]["node_id"], bundle=placed[rank]["bundle"])
@@ -35,7 +46,9 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
     n_params = est.num_params(model, s)
     stage_rows = [
         {
-            "stage": st.index, "layers": [st.layers.start, st.layers.stop - 1], "describe": st.describe(),
+            "stage": st.index,
+            "layers": [st.layers.start, st.layers.stop - 1],
+            "describe": st.describe(),
             "params": st.params,
             "params_per_tp_rank": sum(p.local_numel(t.tp) for p in st.tensors),
             "params_per_rank": sum(p.local_numel(t.tp, shard) for p in st.tensors),
@@ -56,31 +69,50 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
         b = tr.micro_batch_size
         megatron = {
             "source": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit, no recompute); "
-                      "tp without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t))",
-            "micro_batch_size": b, "seq_len": s, "tp": t.tp,
+            "tp without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t))",
+            "micro_batch_size": b,
+            "seq_len": s,
+            "tp": t.tp,
             "per_layer_bytes": est.megatron_activation_bytes(model, s, b),
             "per_layer_tp_bytes": est.megatron_activation_bytes(model, s, b, t.tp),
             "this_trainer_per_layer_bytes": {
                 dtype: b * est.block_bytes(cfg, tp=t.tp, dtype=dtype) for dtype in ("float32", "bfloat16")
             },
         }
-        megatron["difference"] = ("the formula's 5*a*s/h term is the attention's score and dropout matrices; "
-                                  "fused attention (scaled_dot_product_attention) keeps only a log-sum-exp per head "
-                                  "and token, and this model has no dropout")
+        megatron["difference"] = (
+            "the formula's 5*a*s/h term is the attention's score and dropout matrices; "
+            "fused attention (scaled_dot_product_attention) keeps only a log-sum-exp per head "
+            "and token, and this model has no dropout"
+        )
         if model.attn_dim != model.d_model:
-            megatron["note"] = (f"the formula assumes attention width = d_model; this model's is {model.attn_dim} "
-                                f"(heads x head_dim) on d_model {model.d_model}")
+            megatron["note"] = (
+                f"the formula assumes attention width = d_model; this model's is {model.attn_dim} "
+                f"(heads x head_dim) on d_model {model.d_model}"
+            )
 
     return {
         "config": {
-            "dp": t.dp, "pp": t.pp, "tp": t.tp, "world_size": topo.world_size,
+            "dp": t.dp,
+            "pp": t.pp,
+            "tp": t.tp,
+            "world_size": topo.world_size,
             "schedule": t.schedule if t.pp > 1 else None,
-            "stages_per_rank": v, "num_stages": len(all_stages), "dp_shard": t.dp_shard,
+            "stages_per_rank": v,
+            "num_stages": len(all_stages),
+            "dp_shard": t.dp_shard,
             "loss_parallel": t.tp > 1 and t.use_loss_parallel(model.vocab_size),
-            "model": model.name, "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
-            "attn_dim": model.attn_dim, "vocab_size": model.vocab_size, "seq_len": s,
-            "global_batch_size": tr.global_batch_size, "micro_batch_size": tr.micro_batch_size, "num_microbatches": m,
-            "dtype": tr.dtype, "activation_checkpointing": tr.activation_checkpointing,
+            "model": model.name,
+            "n_layers": model.n_layers,
+            "d_model": model.d_model,
+            "n_heads": model.n_heads,
+            "attn_dim": model.attn_dim,
+            "vocab_size": model.vocab_size,
+            "seq_len": s,
+            "global_batch_size": tr.global_batch_size,
+            "micro_batch_size": tr.micro_batch_size,
+            "num_microbatches": m,
+            "dtype": tr.dtype,
+            "activation_checkpointing": tr.activation_checkpointing,
         },
         "ranks": ranks,
         "placement": ({"device": placement["device"]} if placement else None),
@@ -88,8 +120,11 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
             "total": n_params,
             "stages": stage_rows,
             "per_pp_rank": [
-                {"pp_rank": r, "stages": owned[r],
-                 "params_per_rank": sum(stage_rows[i]["params_per_rank"] for i in owned[r])}
+                {
+                    "pp_rank": r,
+                    "stages": owned[r],
+                    "params_per_rank": sum(stage_rows[i]["params_per_rank"] for i in owned[r]),
+                }
                 for r in range(t.pp)
             ],
         },
@@ -100,8 +135,14 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
             "max_mb": max(mem.total for mem in memory.values()) / MB,
         },
         "communication": {"per_pp_rank": [{"pp_rank": r, **comm[r]} for r in range(t.pp)]},
-        "bubble": {"fraction": bubble, "formula": formula, "schedule": t.schedule if t.pp > 1 else None,
-                   "pp": t.pp, "num_microbatches": m, "stages_per_rank": v},
+        "bubble": {
+            "fraction": bubble,
+            "formula": formula,
+            "schedule": t.schedule if t.pp > 1 else None,
+            "pp": t.pp,
+            "num_microbatches": m,
+            "stages_per_rank": v,
+        },
         "flops": {
             "per_token": per_token,
             "per_token_no_attention": est.model_flops_per_token(model, s, attention=False),
@@ -149,14 +190,18 @@ def format_text(plan: dict) -> str:
     sched = ""
     if c["pp"] > 1:
         sched = f", {c['schedule']}" + (f" ({c['stages_per_rank']} stages/rank)" if c["stages_per_rank"] > 1 else "")
-    out.append(f"rayhybrid plan: dp={c['dp']} x pp={c['pp']} x tp={c['tp']} = {c['world_size']} ranks{sched}"
-               f"{', FSDP2' if c['dp_shard'] and c['dp'] > 1 else ''}")
-    out.append(f"model {c['model']} ({c['n_layers']} layers, d {c['d_model']}, {c['n_heads']} heads, "
-               f"vocab {c['vocab_size']}), "
-               f"seq {c['seq_len']}, global batch {c['global_batch_size']} = dp {c['dp']} x {c['num_microbatches']} "
-               f"micro-batches x {c['micro_batch_size']}, {c['dtype']}"
-               + (", activation checkpointing" if c["activation_checkpointing"] else "")
-               + (", loss parallel" if c["loss_parallel"] else ""))
+    out.append(
+        f"rayhybrid plan: dp={c['dp']} x pp={c['pp']} x tp={c['tp']} = {c['world_size']} ranks{sched}"
+        f"{', FSDP2' if c['dp_shard'] and c['dp'] > 1 else ''}"
+    )
+    out.append(
+        f"model {c['model']} ({c['n_layers']} layers, d {c['d_model']}, {c['n_heads']} heads, "
+        f"vocab {c['vocab_size']}), "
+        f"seq {c['seq_len']}, global batch {c['global_batch_size']} = dp {c['dp']} x {c['num_microbatches']} "
+        f"micro-batches x {c['micro_batch_size']}, {c['dtype']}"
+        + (", activation checkpointing" if c["activation_checkpointing"] else "")
+        + (", loss parallel" if c["loss_parallel"] else "")
+    )
 
     out += ["", "Ranks (rank = (dp_i * pp + pp_i) * tp + tp_i):"]
     placed = plan["placement"] is not None
@@ -174,46 +219,98 @@ def format_text(plan: dict) -> str:
     p = plan["parameters"]
     out += ["", f"Parameters: {p['total']:,} ({_count(p['total'])})"]
     header = ["stage", "layers", "params", "per tp rank", "per rank"]
-    rows = [[s["stage"], s["describe"].split(": ", 1)[1], f"{s['params']:,}", f"{s['params_per_tp_rank']:,}",
-             f"{s['params_per_rank']:,}"] for s in p["stages"]]
+    rows = [
+        [
+            s["stage"],
+            s["describe"].split(": ", 1)[1],
+            f"{s['params']:,}",
+            f"{s['params_per_tp_rank']:,}",
+            f"{s['params_per_rank']:,}",
+        ]
+        for s in p["stages"]
+    ]
     out += ["  " + line for line in _table(header, rows, left=(1,))]
 
-    out += ["", (f"Memory per rank, MB at the predicted peak on {plan['memory']['device'].upper()} "
-                 "(same on every dp and tp rank of a pipeline rank):")]
-    header = ["pp rank", "params", "grads", "optimizer", "activations", "buffers", "transient", "other", "total",
-              "peak at"]
+    out += [
+        "",
+        (
+            f"Memory per rank, MB at the predicted peak on {plan['memory']['device'].upper()} "
+            "(same on every dp and tp rank of a pipeline rank):"
+        ),
+    ]
+    header = [
+        "pp rank",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "buffers",
+        "transient",
+        "other",
+        "total",
+        "peak at",
+    ]
     rows = []
     for mem in plan["memory"]["per_pp_rank"]:
         other = mem["batch_mb"] + mem["dp_buffers_mb"] + mem["autocast_weights_mb"]
-        rows.append([mem["pp_rank"], _mb(mem["params_mb"]), _mb(mem["grads_mb"]), _mb(mem["optimizer_mb"]),
-                     _mb(mem["activations_mb"]), _mb(mem["pipeline_buffers_mb"]), _mb(mem["transient_mb"]),
-                     _mb(other), _mb(mem["total_mb"]), mem["peak_at"]])
+        rows.append(
+            [
+                mem["pp_rank"],
+                _mb(mem["params_mb"]),
+                _mb(mem["grads_mb"]),
+                _mb(mem["optimizer_mb"]),
+                _mb(mem["activations_mb"]),
+                _mb(mem["pipeline_buffers_mb"]),
+                _mb(mem["transient_mb"]),
+                _mb(other),
+                _mb(mem["total_mb"]),
+                mem["peak_at"],
+            ]
+        )
     out += ["  " + line for line in _table(header, rows, left=(9,))]
     notes = dict.fromkeys(n for mem in plan["memory"]["per_pp_rank"] for n in mem["notes"])
     in_flight = [f"stage {k}: {v}" for mem in plan["memory"]["per_pp_rank"] for k, v in mem["in_flight"].items()]
     out.append(f"  activations: saved for backward by the micro-batches in flight at the peak ({', '.join(in_flight)})")
-    out.append("  buffers: pipeline receive buffers, kept logits and sends; "
-               "other: batch, data-parallel copies, autocast copies")
+    out.append(
+        "  buffers: pipeline receive buffers, kept logits and sends; "
+        "other: batch, data-parallel copies, autocast copies"
+    )
     out += [f"  note: {n}" for n in notes]
 
     out += ["", "Communication per optimizer step, per rank (payload / on the wire with ring algorithms):"]
     header = ["pp rank", "dp", "tp", "pp send", "pp recv", "total wire"]
     rows = []
     for cm in plan["communication"]["per_pp_rank"]:
-        rows.append([cm["pp_rank"], f"{_bytes(cm['dp']['payload_bytes'])} / {_bytes(cm['dp']['wire_bytes'])}",
-                     f"{_bytes(cm['tp']['payload_bytes'])} / {_bytes(cm['tp']['wire_bytes'])}",
-                     _bytes(cm["pp"]["send_bytes"]), _bytes(cm["pp"]["recv_bytes"]), _bytes(cm["total_wire_bytes"])])
+        rows.append(
+            [
+                cm["pp_rank"],
+                f"{_bytes(cm['dp']['payload_bytes'])} / {_bytes(cm['dp']['wire_bytes'])}",
+                f"{_bytes(cm['tp']['payload_bytes'])} / {_bytes(cm['tp']['wire_bytes'])}",
+                _bytes(cm["pp"]["send_bytes"]),
+                _bytes(cm["pp"]["recv_bytes"]),
+                _bytes(cm["total_wire_bytes"]),
+            ]
+        )
     out += ["  " + line for line in _table(header, rows)]
-    kinds = {f"{k}: {cm[k]['kind']}" for cm in plan["communication"]["per_pp_rank"] for k in ("dp", "tp")
-             if cm[k]["kind"] != "none"}
+    kinds = {
+        f"{k}: {cm[k]['kind']}"
+        for cm in plan["communication"]["per_pp_rank"]
+        for k in ("dp", "tp")
+        if cm[k]["kind"] != "none"
+    }
     out += [f"  {k}" for k in sorted(kinds)]
 
     b = plan["bubble"]
     out += ["", f"Pipeline bubble: {b['fraction']:.1%}  [{b['formula']}; m={b['num_microbatches']}]"]
 
     f = plan["flops"]
-    out += ["", (f"FLOPs: {f['per_token']:.4g} per token (6N + 12 L s a; 6N alone: {f['per_token_no_attention']:.4g}), "
-                 f"{f['per_step']:.4g} per step, {f['per_rank_per_step']:.4g} per rank and step")]
+    out += [
+        "",
+        (
+            f"FLOPs: {f['per_token']:.4g} per token (6N + 12 L s a; 6N alone: {f['per_token_no_attention']:.4g}), "
+            f"{f['per_step']:.4g} per step, {f['per_rank_per_step']:.4g} per rank and step"
+        ),
+    ]
 
     mg = plan["megatron"]
     if mg:
@@ -221,9 +318,15 @@ def format_text(plan: dict) -> str:
         line = f"  Megatron-LM formula (Korthikanti et al. 2022, 16-bit, no recompute): {_bytes(mg['per_layer_bytes'])}"
         if mg["tp"] > 1:
             line += f"; tp={mg['tp']} (no sequence parallelism): {_bytes(mg['per_layer_tp_bytes'])}"
-        out += ["", f"Activation memory per layer, micro-batch {mg['micro_batch_size']}, seq {mg['seq_len']}:", line,
-                (f"  this trainer's count (tp={mg['tp']}): {_bytes(ours['float32'])} float32, "
-                 f"{_bytes(ours['bfloat16'])} bfloat16 autocast")]
+        out += [
+            "",
+            f"Activation memory per layer, micro-batch {mg['micro_batch_size']}, seq {mg['seq_len']}:",
+            line,
+            (
+                f"  this trainer's count (tp={mg['tp']}): {_bytes(ours['float32'])} float32, "
+                f"{_bytes(ours['bfloat16'])} bfloat16 autocast"
+            ),
+        ]
         out.append(f"  difference: {mg['difference']}")
         if "note" in mg:
             out.append(f"  note: {mg['note']}")

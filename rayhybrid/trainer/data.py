@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -107,8 +108,10 @@ def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
     if cfg.name == "text":
         files = cfg.text_files()
         if not files:
-            raise ValueError(f"data.path={cfg.path!r} matches no text file; point it at a file, a directory of *.txt or a glob")
-        blob = b"\n".join(open(f, "rb").read() for f in files)
+            raise ValueError(
+                f"data.path={cfg.path!r} matches no text file; point it at a file, a directory of *.txt or a glob"
+            )
+        blob = b"\n".join(Path(f).read_bytes() for f in files)
         return WindowStream(np.frombuffer(blob, dtype=np.uint8), cfg.seq_len, seed, cfg.path)
     if cfg.name == "tokens":
         if cfg.path.endswith(".npy"):

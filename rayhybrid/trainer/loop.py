@@ -1,8 +1,8 @@
 """The training step, readable top to bottom: one `Trainer` per rank (no Ray here).
 
-    trainer = Trainer(cfg, rank=rank, device=device)   # after init_process_group
-    for _ in range(cfg.train.steps):
-        metrics = trainer.train_step()
+trainer = Trainer(cfg, rank=rank, device=device)   # after init_process_group
+for _ in range(cfg.train.steps):
+    metrics = trainer.train_step()
 """
 
 from __future__ import annotations
@@ -166,8 +166,11 @@ class Trainer:
     def _instrument(self, stage) -> None:
         """Time and label a pipeline stage's chunks: spans for the timeline (and its bubble),
         phases for the memory meter."""
-        for method, phase, letter in (("forward_one_chunk", "forward", "F"), ("backward_one_chunk", "backward", "B"),
-                                      ("backward_weight_one_chunk", "backward", "W")):
+        for method, phase, letter in (
+            ("forward_one_chunk", "forward", "F"),
+            ("backward_one_chunk", "backward", "B"),
+            ("backward_weight_one_chunk", "backward", "W"),
+        ):
             setattr(stage, method, self._chunk(getattr(stage, method), stage.stage_index, phase, letter))
 
     def _chunk(self, fn, stage: int, phase: str, letter: str):
@@ -218,8 +221,11 @@ class Trainer:
             "pp": t.pp,
             "tp": t.tp,
             "samples_read": self.samples_read,  # [first sample index, count] this rank read
-            **({"peak_mb": self.memory.peaks_mb(), "activation_mb": self.memory.activation_mb()}
-               if self.memory is not None else {}),
+            **(
+                {"peak_mb": self.memory.peaks_mb(), "activation_mb": self.memory.activation_mb()}
+                if self.memory is not None
+                else {}
+            ),
             "bubble": self.timeline.bubble(),  # this rank's idle share of the pipeline's time
             **({"trace": self.timeline.events} if self.timeline.record else {}),
         }

@@ -174,5 +174,6 @@ class MemoryMeter:
         if self.tracker is None:
             return {}
         return {
-            label: {k: v / MB for k, v in sorted(cats.items())} for label, cats in sorted(self.tracker.breakdown.items())
+            label: {k: v / MB for k, v in sorted(cats.items())}
+            for label, cats in sorted(self.tracker.breakdown.items())
         }

@@ -45,10 +45,18 @@ class Timeline:
             if busy:
                 self.busy_s += end - start
             if self.record:
-                self.events.append({
-                    "name": name, "cat": category, "ph": "X", "pid": self.rank, "tid": 1 if category in COMM else 0,
-                    "ts": round(start * 1e6 + self._offset_us, 1), "dur": round((end - start) * 1e6, 1), "args": args,
-                })
+                self.events.append(
+                    {
+                        "name": name,
+                        "cat": category,
+                        "ph": "X",
+                        "pid": self.rank,
+                        "tid": 1 if category in COMM else 0,
+                        "ts": round(start * 1e6 + self._offset_us, 1),
+                        "dur": round((end - start) * 1e6, 1),
+                        "args": args,
+                    }
+                )
 
     @contextlib.contextmanager
     def pipeline(self):

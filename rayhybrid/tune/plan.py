@@ -59,7 +59,7 @@ class Record:
 
 
 def peaks_from_result(result: dict) -> dict[str, float]:
-    return {k[len(PEAK_PREFIX):]: float(v) for k, v in result.items() if k.startswith(PEAK_PREFIX)}
+    return {k[len(PEAK_PREFIX) :]: float(v) for k, v in result.items() if k.startswith(PEAK_PREFIX)}
 
 
 class TunePlan:
@@ -121,7 +121,9 @@ class TunePlan:
             peaks_mb=peaks_from_result(result),
             tokens_per_s=float(result.get("tokens_per_s") or 0.0),
             error=message,
-            predicted_peak_mb=search.predicted_peak_mb(point.micro_batch_size) if point.num_microbatches == self.n0 else None,
+            predicted_peak_mb=search.predicted_peak_mb(point.micro_batch_size)
+            if point.num_microbatches == self.n0
+            else None,
         )
         self.records.append(record)
         if purpose == "memory":

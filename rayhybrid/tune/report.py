@@ -17,8 +17,19 @@ from rayhybrid.tune.search import LinearMemoryModel, Trial
 log = logging.getLogger("rayhybrid")
 
 COLUMNS = (
-    "trial", "purpose", "micro_batch_size", "num_microbatches", "global_batch_size", "activation_checkpointing",
-    "peak_mb", "predicted_peak_mb", "budget_mb", "oom", "fits", "tokens_per_s", "error",
+    "trial",
+    "purpose",
+    "micro_batch_size",
+    "num_microbatches",
+    "global_batch_size",
+    "activation_checkpointing",
+    "peak_mb",
+    "predicted_peak_mb",
+    "budget_mb",
+    "oom",
+    "fits",
+    "tokens_per_s",
+    "error",
 )
 
 
@@ -26,21 +37,23 @@ def _rows(cfg: Config, plan: TunePlan) -> list[dict]:
     rows = []
     for i, r in enumerate(plan.records, 1):
         p = r.point
-        rows.append({
-            "trial": i,
-            "purpose": r.purpose,
-            "micro_batch_size": p.micro_batch_size,
-            "num_microbatches": p.num_microbatches,
-            "global_batch_size": cfg.topology.dp * p.micro_batch_size * p.num_microbatches,
-            "activation_checkpointing": int(p.activation_checkpointing),
-            "peak_mb": round(r.peak_mb, 4) if r.peaks_mb else "",
-            "predicted_peak_mb": round(r.predicted_peak_mb, 4) if r.predicted_peak_mb is not None else "",
-            "budget_mb": round(plan.budget_mb, 4),
-            "oom": int(r.oom),
-            "fits": int(r.fits(plan.budget_mb)),
-            "tokens_per_s": round(r.tokens_per_s, 1) if r.tokens_per_s else "",
-            "error": r.error,
-        })
+        rows.append(
+            {
+                "trial": i,
+                "purpose": r.purpose,
+                "micro_batch_size": p.micro_batch_size,
+                "num_microbatches": p.num_microbatches,
+                "global_batch_size": cfg.topology.dp * p.micro_batch_size * p.num_microbatches,
+                "activation_checkpointing": int(p.activation_checkpointing),
+                "peak_mb": round(r.peak_mb, 4) if r.peaks_mb else "",
+                "predicted_peak_mb": round(r.predicted_peak_mb, 4) if r.predicted_peak_mb is not None else "",
+                "budget_mb": round(plan.budget_mb, 4),
+                "oom": int(r.oom),
+                "fits": int(r.fits(plan.budget_mb)),
+                "tokens_per_s": round(r.tokens_per_s, 1) if r.tokens_per_s else "",
+                "error": r.error,
+            }
+        )
     return rows
 
 
@@ -84,10 +97,19 @@ def write(cfg: Config, plan: TunePlan, out: Path, wall_s: float, user_overrides:
             "# The fastest configuration that fitted the memory budget; train with:\n"
             f"#   {command}\n" + "".join(f"{o.replace('=', ': ', 1)}\n" for o in overrides)
         )
-        summary["best"] = {"overrides": overrides, "command": command, "tokens_per_s": round(best.tokens_per_s, 1),
-                           "peak_mb": round(best.peak_mb, 4)}
-        log.info("best: %s (%.0f tok/s, peak %.2f MB of %.2f MB)", " ".join(overrides), best.tokens_per_s,
-                 best.peak_mb, plan.budget_mb)
+        summary["best"] = {
+            "overrides": overrides,
+            "command": command,
+            "tokens_per_s": round(best.tokens_per_s, 1),
+            "peak_mb": round(best.peak_mb, 4),
+        }
+        log.info(
+            "best: %s (%.0f tok/s, peak %.2f MB of %.2f MB)",
+            " ".join(overrides),
+            best.tokens_per_s,
+            best.peak_mb,
+            plan.budget_mb,
+        )
     plots = _plots(plan, out)
     summary["plots"] = plots
     (out / "tune_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -99,8 +121,19 @@ def write(cfg: Config, plan: TunePlan, out: Path, wall_s: float, user_overrides:
 
 def _print_table(rows: list[dict]) -> None:
     heads = ("trial", "purpose", "mb", "n_micro", "G", "AC", "peak_mb", "predicted", "oom", "fits", "tokens/s")
-    keys = ("trial", "purpose", "micro_batch_size", "num_microbatches", "global_batch_size", "activation_checkpointing",
-            "peak_mb", "predicted_peak_mb", "oom", "fits", "tokens_per_s")
+    keys = (
+        "trial",
+        "purpose",
+        "micro_batch_size",
+        "num_microbatches",
+        "global_batch_size",
+        "activation_checkpointing",
+        "peak_mb",
+        "predicted_peak_mb",
+        "oom",
+        "fits",
+        "tokens_per_s",
+    )
     table = [heads] + [tuple(str(row[k]) for k in keys) for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in table]
@@ -108,7 +141,7 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def stage_of(key: str) -> str:
-    """"rank3/stage1/backward" -> "stage1"."""
+    """ "rank3/stage1/backward" -> "stage1"."""
     return next((part for part in key.split("/") if part.startswith("stage")), key)
 
 
@@ -136,8 +169,10 @@ def _plots(plan: TunePlan, out: Path) -> list[str]:
             label = f"{stage}{' AC' if ac else ''}"
             xs, ys = zip(*sorted(points))
             ax.plot(xs, ys, "o", color=colour, label=f"{label} measured")
-            trials = [Trial(t.micro_batch_size, {k: v for k, v in t.peaks_mb.items() if stage_of(k) == stage}, t.oom)
-                      for t in search.trials]
+            trials = [
+                Trial(t.micro_batch_size, {k: v for k, v in t.peaks_mb.items() if stage_of(k) == stage}, t.oom)
+                for t in search.trials
+            ]
             if len({t.micro_batch_size for t in trials if t.peaks_mb}) >= 2:
                 model = LinearMemoryModel.fit(trials)
                 xs = range(int(top * 1.25) + 2)  # the highest of the stage's lines: piecewise linear
@@ -154,10 +189,14 @@ def _plots(plan: TunePlan, out: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     measured = [r for r in plan.records if r.tokens_per_s]
-    labels = [f"mb{r.point.micro_batch_size}x{r.point.num_microbatches}{' AC' if r.point.activation_checkpointing else ''}"
-              for r in measured]
+    labels = [
+        f"mb{r.point.micro_batch_size}x{r.point.num_microbatches}{' AC' if r.point.activation_checkpointing else ''}"
+        for r in measured
+    ]
     best = plan.best
-    bar_colours = ["tab:green" if r is best else ("tab:blue" if r.fits(plan.budget_mb) else "tab:gray") for r in measured]
+    bar_colours = [
+        "tab:green" if r is best else ("tab:blue" if r.fits(plan.budget_mb) else "tab:gray") for r in measured
+    ]
     ax.bar(range(len(measured)), [r.tokens_per_s for r in measured], color=bar_colours)
     ax.set_xticks(range(len(measured)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("tokens/s")

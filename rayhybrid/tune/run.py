@@ -76,8 +76,14 @@ class TrialHost:
             )
             if oom:
                 first = errors.get(oom[0], err.message)
-                return {"oom": 1, "error": "", "tokens_per_s": 0.0, "oom_ranks": oom, "message": first,
-                        "trial_s": time.perf_counter() - start}
+                return {
+                    "oom": 1,
+                    "error": "",
+                    "tokens_per_s": 0.0,
+                    "oom_ranks": oom,
+                    "message": first,
+                    "trial_s": time.perf_counter() - start,
+                }
             return {"oom": 0, "error": str(err), "tokens_per_s": 0.0, "trial_s": time.perf_counter() - start}
         measured = steps[1:] or steps  # memory once optimizer state exists; speed after warm-up
         peaks: dict[str, float] = {}
@@ -166,8 +172,13 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
         t = cfg.topology
         log.info(
             "tune: dp %d x pp %d x tp %d, budget %.1f MB per rank (%s); memory search at %d micro-batch(es) per step, "
-            "activation checkpointing %s", t.dp, t.pp, t.tp, budget, "GPU capacity" if shape.use_gpu and
-            cfg.tune.memory_budget_mb <= 0 else "tune.memory_budget_mb", n0,
+            "activation checkpointing %s",
+            t.dp,
+            t.pp,
+            t.tp,
+            budget,
+            "GPU capacity" if shape.use_gpu and cfg.tune.memory_budget_mb <= 0 else "tune.memory_budget_mb",
+            n0,
             "/".join("on" if ac else "off" for ac in plan.searches),
         )
         host = ray.remote(num_cpus=0)(TrialHost).remote(cfg, shape)
@@ -215,7 +226,11 @@ def tune_main(overrides: list[str], run_dir: str | Path | None = None) -> dict:
         raise ConfigError("tune.steps", "must be at least 2 (memory and speed are read after the first step)")
     # The trials' configs, not the base one, must be valid (the batch settings are the trials').
     for ac in dict.fromkeys(cfg.tune.activation_checkpointing):
-        first = {"micro_batch_size": probes[0], "num_microbatches": first_microbatches(cfg), "activation_checkpointing": ac}
+        first = {
+            "micro_batch_size": probes[0],
+            "num_microbatches": first_microbatches(cfg),
+            "activation_checkpointing": ac,
+        }
         validate(trial_config(cfg, first))
     _ensure_logging()
     return run_tune(cfg, overrides)

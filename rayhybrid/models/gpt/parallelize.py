@@ -30,7 +30,9 @@ def tp_plan(model: GPT, *, loss_parallel: bool) -> dict[str, object]:
     for name in model.layers:
         # The attention input becomes one replicated DTensor shared by q, k and v, so their
         # input gradients add up locally and cost one all-reduce in backward instead of three.
-        plan[f"layers.{name}.attn"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+        plan[f"layers.{name}.attn"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+        )
         plan[f"layers.{name}.attn.wq"] = ColwiseParallel()
         plan[f"layers.{name}.attn.wk"] = ColwiseParallel()
         plan[f"layers.{name}.attn.wv"] = ColwiseParallel()
