@@ -154,8 +154,7 @@ class Controller:
             self.shape = resolve_shape(self.cfg)
             check_capacity(self.shape, self.scaling.min_dp)
             self._announce()
-        group = WorkerGroup(self.cfg, self.shape, self.scaling.slots)
-        intr = state.pending or Interruption("restart", "", 0, 0)
+        group, intr = WorkerGroup(self.cfg, self.shape, self.scaling.slots), state.pending
         mark = time.perf_counter()
         slots = self.scaling.on_start(group.reserve(self.scaling.min_dp))
         placed = time.perf_counter()
@@ -166,7 +165,9 @@ class Controller:
             good = checkpoint_store.latest(self.ckpt_root)
             return self._failed(err, good.step + 1 if good else 1, None)
         self.group = group
-        intr.place_s, intr.init_s = placed - mark, time.perf_counter() - placed
+        if intr is not None:  # a start again, after the one before failed
+            intr.place_s, intr.init_s = placed - mark, time.perf_counter() - placed
+            intr.dp_before, intr.dp_after = intr.dp_before or group.dp, group.dp
         step = self._restore(intr)
         if self.summary.startup_s is None:
             self.summary.startup_s = round(time.perf_counter() - self.log.started, 3)
@@ -180,7 +181,7 @@ class Controller:
                 f"; data loss floor {w['loss_floor']:.4f}" if w["loss_floor"] is not None else "",
             )
         self.train_started = time.perf_counter()
-        return Training(step, state.pending and dataclasses.replace(intr, dp_after=group.dp))
+        return Training(step, intr)
 
     def on_training(self, state: Training) -> Training | Recovering | Resizing | Finished:
         """One step; a checkpoint when one is due, and then perhaps a resize."""
@@ -285,14 +286,15 @@ class Controller:
         intr = Interruption("restart", str(err), step, dp, resume_step=good.step if good else 0, detect_s=detect)
         return Recovering(err, intr, injected=inject is not None)
 
-    def _restore(self, intr: Interruption) -> int:
+    def _restore(self, intr: Interruption | None) -> int:
         """Load the latest checkpoint into the group (if any) and describe the group in the
         summary; returns the step restored."""
         group, ckpt, step = self.group, checkpoint_store.latest(self.ckpt_root), 0
         if ckpt is not None:
             mark = time.perf_counter()
             step = group.load(str(ckpt.path), ckpt.meta)
-            intr.restore_s += time.perf_counter() - mark
+            if intr is not None:
+                intr.restore_s += time.perf_counter() - mark
             written, now = ckpt.meta["topology"], group.cfg.topology
             log.info(
                 "resuming from %s (step %d, %d samples consumed%s)",
@@ -307,7 +309,8 @@ class Controller:
             if self.summary.resumed_from is None:
                 self.summary.resumed_from = str(ckpt.path)
             self.summary.resumed_step = step
-        intr.resume_step = step
+        if intr is not None:
+            intr.resume_step = step
         self.log.rewind(step)  # steps after it are trained again (a failure before any checkpoint: all)
         placement = group.placement()
         self.log.write_json("workers.json", [{**p, "pid": info.pid} for p, info in zip(placement, group.infos)])
