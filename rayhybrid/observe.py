@@ -12,9 +12,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rayhybrid.config.schema import Config
 from rayhybrid.models.gpt.counts import flops_per_token
+
+if TYPE_CHECKING:
+    from rayhybrid.records import StepMetrics
 
 log = logging.getLogger("rayhybrid")
 
@@ -61,7 +65,7 @@ class Observer:
         self.ranks = [{k: p[k] for k in ("rank", "dp", "pp", "tp")} for p in placement]
         self.peak = device_peak_tflops(self.cfg, device_name)
 
-    def step(self, metrics: dict) -> dict:
+    def step(self, metrics: StepMetrics) -> StepMetrics:
         """Adds `tflops` (achieved by the whole job: model FLOPs per token x tokens / step time)
         and `mfu` (that over the peak of all its devices, when the peak is known)."""
         metrics = dict(metrics)

@@ -22,10 +22,40 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from rayhybrid.config.schema import Config
 
 log = logging.getLogger("rayhybrid")
+
+
+class StepMetrics(TypedDict, total=False):
+    """One optimizer step, as `metrics.jsonl` stores it: rank 0's figures from the trainer,
+    merged with every rank's by the worker group, completed by the observer and the log."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    tokens_per_s: float
+    consumed_samples: int
+    num_microbatches: int
+    dp: int
+    pp: int
+    tp: int
+    samples: list[list[int]]
+    """[first sample, count] read by each data-parallel replica, in dp order."""
+    bubble: float | None
+    """The pipeline's idle share of the step, over ranks."""
+    peak_mb: dict[str, float]
+    """metrics.memory: "rank<r>/stage<s>/<phase>" -> MB."""
+    activation_mb: dict[str, float]
+    tflops: float
+    mfu: float | None
+    time: float
+    """Wall clock when the driver had the step."""
+
 
 TIMINGS = ("detect_s", "save_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")
 
@@ -185,10 +215,10 @@ class RunLog:
         self.metrics_path = self.dir / "metrics.jsonl"
         self.metrics_file = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 - open for the run
         self.bar = ProgressBar(cfg.train.steps)
-        self.history: list[dict] = []
+        self.history: list[StepMetrics] = []
         self.started = time.perf_counter()
 
-    def step(self, metrics: dict) -> None:
+    def step(self, metrics: StepMetrics) -> None:
         metrics["time"] = time.time()  # wall clock when the driver had the step (for step-to-step intervals)
         self.history.append(metrics)
         self._write(metrics)

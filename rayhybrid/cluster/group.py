@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
@@ -23,6 +24,9 @@ from rayhybrid.config.schema import Config, with_dp
 from rayhybrid.errors import PlacementTimeout, RankFailed, WorkerError
 from rayhybrid.fault import Injection
 from rayhybrid.topology import Layout
+
+if TYPE_CHECKING:
+    from rayhybrid.records import StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +262,9 @@ class WorkerGroup:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
 
-    def train(self, steps: int = 1, timeout_s: float | None = None, inject: Injection | None = None) -> list[dict]:
+    def train(
+        self, steps: int = 1, timeout_s: float | None = None, inject: Injection | None = None
+    ) -> list[StepMetrics]:
         """Run `steps` optimizer steps on every rank; returns rank 0's metrics per step.
         A call that makes no progress for `timeout_s` counts as a failed (hung) worker.
         `inject`: a `fault.inject` fault for one rank to trigger at the start of the call."""
