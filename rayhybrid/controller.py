@@ -26,7 +26,7 @@ import ray
 
 from rayhybrid import checkpoint_store
 from rayhybrid.cluster.connect import connect, resolve_shape
-from rayhybrid.cluster.group import WorkerGroup
+from rayhybrid.cluster.group import WorkerGroup, not_placed_again
 from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config
 from rayhybrid.config.validate import usable_dps
@@ -200,7 +200,7 @@ class Controller:
             self.log.interruption(state.pending, self.summary)
         self.log.step(metrics)
         step, last_step_at = metrics["step"], time.perf_counter()
-        if not self._checkpoint_due(step):
+        if not self.cfg.checkpoint.due(step, self.cfg.train.steps):
             return Training(step)
         inject = self._inject(step, "save")
         try:
@@ -337,10 +337,6 @@ class Controller:
             log.warning("fault.inject: %s on rank %d at step %d (%s)", injection.kind, injection.rank, step, phase)
         return injection
 
-    def _checkpoint_due(self, step: int) -> bool:
-        every = self.cfg.checkpoint.every
-        return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
-
     def _last_good(self, short: bool = False) -> str:
         good = checkpoint_store.latest(self.ckpt_root)
         if short:
@@ -349,10 +345,7 @@ class Controller:
 
     def _why_not_placed(self, lost: set[int], wait_s: float) -> str:
         if not self.elastic:
-            return (
-                f"{len(lost)} replica(s) lost workers and could not be placed again within {wait_s:g}s "
-                "(cluster.placement_timeout_s); add nodes or raise cluster.placement_timeout_s"
-            )
+            return not_placed_again(len(lost), wait_s)
         left = len(self.group.active) - len(lost)
         return (
             f"{left} replica(s) left after losing {len(lost)}, below elastic.min_dp={self.scaling.min_dp}; "

@@ -19,7 +19,9 @@ import signal
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from rayhybrid.config.schema import with_dp
 from rayhybrid.errors import ConfigError
+from rayhybrid.topology import Layout
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -92,17 +94,10 @@ def _entries(value: str | Iterable[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def is_checkpoint_step(cfg: Config, step: int) -> bool:
-    """Whether the driver saves a checkpoint after `step` (as in controller.py)."""
-    every, steps = cfg.checkpoint.every, cfg.train.steps
-    return every > 0 and (step % every == 0 or step == steps)
-
-
 def max_world_size(cfg: Config) -> int:
     """The most ranks the run can ever have: dp x pp x tp at an elastic run's largest dp."""
-    t = cfg.topology
-    dp = cfg.elastic.dp_range(t.dp)[1] if cfg.elastic.enabled else t.dp
-    return dp * t.pp * t.tp
+    dp = cfg.elastic.dp_range(cfg.topology.dp)[1] if cfg.elastic.enabled else cfg.topology.dp
+    return Layout.of(with_dp(cfg, dp)).world_size
 
 
 def validate_faults(cfg: Config) -> None:
@@ -149,7 +144,7 @@ def _validate_injection(cfg: Config, injection: Injection, text: str) -> None:
         raise ConfigError(
             "fault.inject", f"{text!r}: step {injection.step} is out of range; use a step in 1..{steps} (train.steps)"
         )
-    if injection.kind == "kill_save" and not is_checkpoint_step(cfg, injection.step):
+    if injection.kind == "kill_save" and not cfg.checkpoint.due(injection.step, steps):
         fix = (
             "set checkpoint.every>0 (checkpoint.every=0 never saves)"
             if every == 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,11 @@ class ScalingPolicy:
     usable: Sequence[int]
     min_dp: int
     elastic: bool = True
-    slots: int = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "slots", max(self.usable))
+    @property
+    def slots(self) -> int:
+        """Replica slots to reserve: one per replica of the largest usable dp."""
+        return max(self.usable)
 
     def fit(self, replicas: int) -> int:
         """The largest usable dp with at most `replicas` replicas (0 if none)."""

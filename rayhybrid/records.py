@@ -293,21 +293,18 @@ class RunLog:
         os.replace(tmp, self.metrics_path)
         self.metrics_file = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 - open for the run
 
-    def write_json(self, name: str, data) -> None:
-        """A JSON file in the run directory, replaced atomically (workers.json)."""
+    def write_json(self, name: str, data, indent: int = 1) -> None:
+        """A JSON file in the run directory, replaced atomically (workers.json, summary.json)."""
         path = self.dir / name
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.write_text(json.dumps(data, indent=indent) + "\n")
         os.replace(tmp, path)
 
     def close(self, summary: RunSummary) -> dict:
         self.bar.clear()
         self.metrics_file.close()
         data = summary.to_dict()
-        path = self.dir / "summary.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, path)
+        self.write_json("summary.json", data, indent=2)
         return data
 
     def _write(self, record: dict) -> None:

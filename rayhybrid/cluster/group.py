@@ -97,7 +97,7 @@ class WorkerGroup:
     def reserve(self, needed: int) -> list[int]:
         """Ask for a placement group per slot and wait (at most `cluster.placement_timeout_s`)
         until `needed` of them are placed; returns the placed slots. Releases them all and
-        raises `PlacementError` when too few are placed in time."""
+        raises `PlacementTimeout` when too few are placed in time."""
         self.groups = create_replicas(self.shape, self.slots)
         timeout = self.cfg.cluster.placement_timeout_s
         refs = [pg.ready() for pg in self.groups]
@@ -193,10 +193,7 @@ class WorkerGroup:
         drained = self.drain()
         lost = self.wait_placed(drained.broken, self.cfg.cluster.placement_timeout_s)
         if lost:
-            raise PlacementTimeout(
-                f"{len(lost)} replica(s) lost workers and could not be placed again within "
-                f"{self.cfg.cluster.placement_timeout_s:g}s (cluster.placement_timeout_s); add nodes or raise it"
-            )
+            raise PlacementTimeout(not_placed_again(len(lost), self.cfg.cluster.placement_timeout_s))
         self.rebuild(self.active)
         return sorted(drained.dead)
 
@@ -387,6 +384,13 @@ class WorkerGroup:
                 except RayActorError as err:
                     raise WorkerError(rank_of[ref], f"worker died: {_summary(err)}") from None
         return ray.get(refs)
+
+
+def not_placed_again(count: int, wait_s: float) -> str:
+    return (
+        f"{count} replica(s) lost workers and could not be placed again within {wait_s:g}s "
+        "(cluster.placement_timeout_s); add nodes or raise cluster.placement_timeout_s"
+    )
 
 
 def _settle(refs: list) -> None:

@@ -121,6 +121,10 @@ class CheckpointConfig:
     keep: int = 2
     """How many published checkpoints to keep; 0: all."""
 
+    def due(self, step: int, steps: int) -> bool:
+        """Whether a checkpoint is saved after `step` of a run of `steps` steps."""
+        return self.every > 0 and (step % self.every == 0 or step == steps)
+
 
 @dataclass(frozen=True)
 class FaultConfig:
