@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
+from pathlib import Path
 
 from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError, RayHybridError
 
@@ -39,12 +40,15 @@ def exit_codes(prog: str):
 def task(node) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from rayhybrid.config.compose import to_config
+    from rayhybrid.config.compose import scrub_run_files, to_config
     from rayhybrid.config.validate import validate
     from rayhybrid.controller import Controller
 
     with exit_codes("rayhybrid"):
-        cfg = dataclasses.replace(to_config(node), run_dir=HydraConfig.get().runtime.output_dir)
+        hydra = HydraConfig.get()
+        cfg = dataclasses.replace(to_config(node), run_dir=hydra.runtime.output_dir)
+        if hydra.output_subdir:
+            scrub_run_files(Path(cfg.run_dir) / hydra.output_subdir, cfg)
         validate(cfg)
         summary = Controller(cfg).run()
     if summary["status"] != "completed":

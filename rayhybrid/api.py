@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rayhybrid.config.compose import compose, to_config
+from rayhybrid.config.compose import compose, scrub_run_files, to_config
 from rayhybrid.config.validate import validate
 
 
@@ -55,5 +55,6 @@ def train(overrides: Sequence[str] = (), *, run_dir: str | Path | None = None) -
     hydra_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), hydra_dir / "config.yaml")
     OmegaConf.save(OmegaConf.create(overrides), hydra_dir / "overrides.yaml")
+    scrub_run_files(hydra_dir, cfg)
     _ensure_logging()
     return Controller(cfg).run()

@@ -1,12 +1,17 @@
-"""Checkpoint directories on a filesystem: names, validation, retention. No torch, no Ray.
+"""Checkpoint directories in a `Store` (a local path, a shared mount, s3://, gs://, ...): names,
+the commit marker, validation, retention. No torch, no Ray.
 
 Layout under `checkpoint.dir`::
 
-    step_00000050/          a published checkpoint: DCP shards + .metadata + meta.json
-    .tmp-step_00000060/     being written; published by one rename once every rank is done
+    step_00000050/      DCP shards (__<rank>_<n>.distcp) and .metadata, then meta.json
+    step_00000060/      no meta.json: being written, or a save that was interrupted
 
-`meta.json` records the trainer state (step, consumed_samples, topology, ...) and the size of
-every file, so a truncated or partly deleted checkpoint is detected without reading it.
+Object stores have no rename, so a checkpoint is written in place and published by its commit
+marker: `meta.json`, written last, by rank 0, once DCP's `.metadata` says every rank's data is
+complete (one PUT: an object is either absent or whole). It records the trainer state (step,
+consumed_samples, topology, ...) and the size of every file, so a truncated or partly deleted
+checkpoint is detected without reading it. Readers take only committed steps; an uncommitted
+directory is never loaded, and the next commit deletes it (`retain`).
 """
 
 from __future__ import annotations
@@ -15,14 +20,14 @@ import json
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
+
+from rayhybrid.storage import Store
 
 log = logging.getLogger(__name__)
 
 PREFIX = "step_"
-TMP_PREFIX = ".tmp-"
+LEGACY_TMP_PREFIX = ".tmp-"  # how checkpoints were written before the commit marker
 META = "meta.json"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
@@ -31,9 +36,15 @@ def name_for(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
+def step_of(path: str) -> int | None:
+    m = _NAME.match(os.path.basename(path.rstrip("/")))
+    return int(m.group(1)) if m else None
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    path: Path
+    path: str
+    """A local path, or a URL (s3://bucket/prefix/step_00000050)."""
     meta: dict
 
     @property
@@ -41,72 +52,131 @@ class Checkpoint:
         return int(self.meta["step"])
 
 
-def file_sizes(path: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != META}
+def as_store(root: Store | str | os.PathLike) -> Store:
+    return root if isinstance(root, Store) else Store.open(root)
 
 
-def write_meta(path: Path, meta: dict) -> None:
-    meta = {**meta, "files": file_sizes(path)}
-    tmp = path / (META + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / META)
+def file_sizes(store: Store, path: str) -> dict[str, int]:
+    """Name -> size of the files directly under `path` (one listing), without the marker."""
+    out = {}
+    for entry in store.fs.ls(path, detail=True):
+        name = os.path.basename(entry["name"].rstrip("/"))
+        if entry.get("type") == "file" and name != META:
+            out[name] = int(entry["size"])
+    return dict(sorted(out.items()))
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """The one rename that makes a checkpoint visible."""
-    if final.exists():  # the same step written again (after a restart): replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
+def begin(store: Store, step: int) -> str:
+    """Make way for the checkpoint of `step` (rank 0, before any rank writes): a directory of
+    that step written before (a save interrupted, or a run that went back past it) is
+    uncommitted first, then removed. Returns the path to write to."""
+    path = store.join(name_for(step))
+    store.fresh()
+    if store.fs.exists(path):
+        if store.fs.exists(f"{path}/{META}"):
+            store.fs.rm_file(f"{path}/{META}")
+        store.fs.rm(path, recursive=True)
+    if store.local:
+        os.makedirs(path, exist_ok=True)
+    return path
+
+
+def commit(store: Store, path: str, meta: dict) -> Checkpoint:
+    """Publish the checkpoint written at `path`: its marker, with every file's size, last."""
+    store.fresh()
+    meta = {**meta, "files": file_sizes(store, path)}
+    if ".metadata" not in meta["files"]:
+        raise ValueError(f"{store.url_of(path)} has no DCP .metadata: the save did not complete")
+    store.write_bytes(f"{path}/{META}", json.dumps(meta, indent=2).encode())
+    if store.local:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return Checkpoint(store.url_of(path), meta)
+
+
+def check(store: Store | str | os.PathLike, path: str | os.PathLike | None = None) -> Checkpoint:
+    """Raise ValueError saying what is wrong unless the checkpoint at `path` (a path or URL in
+    `store`; or `store` itself when no path is given) is committed and complete."""
+    if path is None:
+        store, path = Store.open(store), os.fspath(store)
+    store = as_store(store)
+    path = store.relative(os.fspath(path))
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check(path: Path) -> Checkpoint:
-    """Raise ValueError saying what is wrong unless `path` is a complete checkpoint."""
-    try:
-        meta = json.loads((path / META).read_text())
+        meta = json.loads(store.read_bytes(f"{path}/{META}"))
+    except FileNotFoundError:
+        raise ValueError(f"no {META}: not committed (a save that did not finish)") from None
     except (OSError, ValueError) as err:
         raise ValueError(f"no readable {META} ({err.__class__.__name__})") from None
     files = meta.get("files") or {}
     if ".metadata" not in files:
         raise ValueError("no DCP .metadata recorded")
+    present = file_sizes(store, path)
     for name, size in files.items():
-        f = path / name
-        if not f.is_file():
+        if name not in present:
             raise ValueError(f"{name} is missing")
-        if f.stat().st_size != size:
-            raise ValueError(f"{name} has {f.stat().st_size} bytes, expected {size}")
-    return Checkpoint(path, meta)
+        if present[name] != size:
+            raise ValueError(f"{name} has {present[name]} bytes, expected {size}")
+    return Checkpoint(store.url_of(path), meta)
 
 
-def published(root: Path) -> list[Path]:
-    """Published checkpoint directories, oldest first."""
-    if not root.is_dir():
+def step_dirs(store: Store) -> list[str]:
+    """Checkpoint directories (committed or not), oldest first; nothing when the root is absent."""
+    store.fresh()
+    try:
+        entries = store.fs.ls(store.root, detail=True)
+    except FileNotFoundError:
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
+    found = []
+    for entry in entries:
+        step = step_of(entry["name"])
+        if step is not None and entry.get("type") == "directory":
+            found.append((step, entry["name"].rstrip("/")))
+    return [path for _, path in sorted(found)]
 
 
-def latest(root: str | os.PathLike) -> Checkpoint | None:
-    """The newest complete checkpoint; incomplete or corrupt newer ones are skipped with a warning."""
-    for path in reversed(published(Path(root))):
+def committed(store: Store) -> list[str]:
+    """Directories whose commit marker exists, oldest first (complete or not: see `check`)."""
+    return [path for path in step_dirs(store) if store.fs.exists(f"{path}/{META}")]
+
+
+def uncommitted(root: Store | str | os.PathLike) -> list[str]:
+    """Directories without a commit marker (a save in flight, or one that never finished)."""
+    store = as_store(root)
+    return [path for path in step_dirs(store) if not store.fs.exists(f"{path}/{META}")]
+
+
+def latest(root: Store | str | os.PathLike) -> Checkpoint | None:
+    """The newest committed, complete checkpoint; uncommitted steps are passed over, and corrupt
+    committed ones too, with a warning."""
+    store = as_store(root)
+    for path in reversed(step_dirs(store)):
         try:
-            return check(path)
+            return check(store, path)
         except ValueError as err:
-            log.warning("skipping checkpoint %s: %s; using an older one", path, err)
+            if store.fs.exists(f"{path}/{META}"):
+                log.warning("skipping checkpoint %s: %s; using an older one", store.url_of(path), err)
     return None
 
 
-def retain(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` published checkpoints, and stale temporary ones."""
-    for path in root.glob(TMP_PREFIX + "*"):
-        shutil.rmtree(path, ignore_errors=True)
+def retain(store: Store, keep: int) -> list[str]:
+    """After a commit (no other save in flight): delete every uncommitted directory, and all but
+    the newest `keep` committed ones (0: keep all). Returns what was deleted."""
+    gone = []
+    paths = step_dirs(store)
+    done = [p for p in paths if store.fs.exists(f"{p}/{META}")]
+    gone += [p for p in paths if p not in done]
     if keep > 0:
-        for path in published(root)[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
+        gone += done[:-keep]
+    if store.local and os.path.isdir(store.root):
+        gone += [os.path.join(store.root, n) for n in os.listdir(store.root) if n.startswith(LEGACY_TMP_PREFIX)]
+    for path in gone:
+        try:
+            if store.fs.exists(f"{path}/{META}"):
+                store.fs.rm_file(f"{path}/{META}")  # uncommit first: never a committed, partial one
+            store.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+    return gone

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import ray
@@ -28,13 +27,15 @@ from rayhybrid import checkpoint_store
 from rayhybrid.cluster.connect import connect, resolve_shape
 from rayhybrid.cluster.group import WorkerGroup, not_placed_again
 from rayhybrid.cluster.placement import check_capacity
+from rayhybrid.cluster.storage_check import check_storage
 from rayhybrid.config.schema import Config
 from rayhybrid.config.validate import usable_dps
-from rayhybrid.errors import RayHybridError, RunFailed, WorkerError
+from rayhybrid.errors import ConfigError, RayHybridError, RunFailed, WorkerError
 from rayhybrid.fault import FaultPlan, Injection
 from rayhybrid.observe import Observer
 from rayhybrid.policy import Failure, FailurePolicy, ScalingPolicy
 from rayhybrid.records import Interruption, RunLog, RunSummary
+from rayhybrid.storage import Store, redact_url
 from rayhybrid.topology import Layout
 
 __all__ = ["Controller", "RunFailed"]
@@ -103,7 +104,12 @@ class Controller:
     def run(self) -> dict:
         cfg = self.cfg
         self.log = RunLog(cfg)
-        self.ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else self.log.dir / "checkpoints"
+        self.default_dir = not cfg.checkpoint.dir
+        self.checkpoint_url = cfg.checkpoint.dir or str(self.log.dir / "checkpoints")
+        self.store: Store | None = None
+        self.storage_seen: set[str] = set()  # nodes that passed the storage check
+        self.saving = False  # a save was started whose outcome the driver has not had yet
+        self.committed_step: int | None = None  # the newest checkpoint committed in this run
         self.summary = RunSummary(
             topology={**dataclasses.asdict(cfg.topology), **Layout.of(cfg).summary()},
             model=dataclasses.asdict(cfg.model),
@@ -111,11 +117,13 @@ class Controller:
             global_batch_size=cfg.train.global_batch_size,
             micro_batch_size=cfg.train.micro_batch_size,
             run_dir=str(self.log.dir),
-            checkpoint_dir=str(self.ckpt_root),
+            checkpoint_dir=redact_url(self.checkpoint_url),
         )
         self.observer = Observer(cfg, self.log.dir)
         started_ray = False
         try:
+            self.store = open_store(self.checkpoint_url, cfg.checkpoint.storage_options)
+            self.summary.checkpoint_dir = self.store.display
             started_ray = connect(cfg)
             state: State = Starting()
             while not state.terminal:
@@ -159,11 +167,15 @@ class Controller:
         slots = self.scaling.on_start(group.reserve(self.scaling.min_dp))
         placed = time.perf_counter()
         try:
+            self._check_storage(group, slots)
             group.rebuild(slots)
         except WorkerError as err:
             group.shutdown(graceful=False)
-            good = checkpoint_store.latest(self.ckpt_root)
+            good = checkpoint_store.latest(self.store)
             return self._failed(err, good.step + 1 if good else 1, None)
+        except BaseException:
+            group.shutdown(graceful=False)
+            raise
         self.group = group
         if intr is not None:  # a start again, after the one before failed
             intr.place_s, intr.init_s = placed - mark, time.perf_counter() - placed
@@ -187,35 +199,42 @@ class Controller:
         """One step; a checkpoint when one is due, and then perhaps a resize."""
         step, group = state.step, self.group
         if step >= self.cfg.train.steps:
-            self.summary.train_s = round(time.perf_counter() - self.train_started, 3)
-            return Finished()
+            return self._finish(step)
         inject = self._inject(step + 1, "step")
         try:
             (metrics,) = group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
         except WorkerError as err:
             return self._failed(err, step + 1, inject)
+        finished = metrics.pop("checkpoints", [])
         metrics = self.observer.step(metrics)
         if state.pending is not None:
             state.pending.close(metrics["step_time_s"])
             self.log.interruption(state.pending, self.summary)
         self.log.step(metrics)
+        self._saved(finished)
         step, last_step_at = metrics["step"], time.perf_counter()
         if not self.cfg.checkpoint.due(step, self.cfg.train.steps):
             return Training(step)
         inject = self._inject(step, "save")
         try:
-            saved = group.save(str(self.ckpt_root), self.cfg.checkpoint.keep, self.cfg.fault.step_timeout_s, inject)
+            self._save(step, inject)
         except WorkerError as err:
             return self._failed(err, step + 1, inject)
-        self.log.event(
-            {"event": "checkpoint", "step": step, "path": saved["path"], "save_s": round(saved["save_s"], 3)}
-        )
-        self.summary.last_checkpoint = saved["path"]
-        slots = self.scaling.on_checkpoint(group.active, group.placed_slots()) if step < self.cfg.train.steps else None
+        if step >= self.cfg.train.steps:
+            return Training(step)
+        slots = self.scaling.on_checkpoint(group.active, group.placed_slots())
         if slots is None:
             return Training(step)
+        # A resize restarts from this checkpoint: its upload must be done.
+        try:
+            self._wait_for_saves()
+        except WorkerError as err:
+            return self._failed(err, step + 1, None)
+        if self.committed_step != step:
+            return Training(step)  # it failed (reported): go on, a later checkpoint may resize
         cause = f"{len(slots) - len(group.active)} more replica(s) placed"
-        return Resizing(slots, Interruption("grow", cause, step, group.dp, save_s=saved["save_s"], since=last_step_at))
+        save_s = time.perf_counter() - last_step_at
+        return Resizing(slots, Interruption("grow", cause, step, group.dp, save_s=save_s, since=last_step_at))
 
     def on_resizing(self, state: Resizing) -> Training | Recovering:
         """Grow onto the slots given, restarting from the checkpoint just written."""
@@ -229,6 +248,7 @@ class Controller:
         )
         mark = time.perf_counter()
         try:
+            self._check_storage(group, state.slots)
             group.rebuild(state.slots)
         except WorkerError as err:
             return self._failed(err, intr.step + 1, None)
@@ -267,6 +287,7 @@ class Controller:
         intr.place_s = time.perf_counter() - mark
         mark = time.perf_counter()
         try:
+            self._check_storage(group, slots)
             group.rebuild(slots)
         except WorkerError as err:
             return self._failed(err, intr.step, None)
@@ -276,20 +297,113 @@ class Controller:
 
     # -- pieces ------------------------------------------------------------------------------
 
+    def _check_storage(self, group: WorkerGroup, slots: list[int]) -> None:
+        """The storage check (cluster/storage_check.py) on the nodes of `slots` not checked yet.
+        A POSIX path is what the driver's own node sees by definition; stores are checked
+        everywhere (the workers' credentials are not the driver's)."""
+        if self.cfg.checkpoint.every == 0 and self.default_dir:
+            return  # no checkpoint is written, and none can be there to resume
+        nodes = [n for n in group.nodes_of(slots) if n not in self.storage_seen]
+        if self.store.local:
+            here = ray.get_runtime_context().get_node_id()
+            nodes = [n for n in nodes if n != here]
+        if nodes:
+            check_storage(self.store, nodes, group.env, default=self.default_dir)
+            self.storage_seen.update(nodes)
+
+    def _save(self, step: int, inject: Injection | None) -> None:
+        """Save the checkpoint of `step`: written by the time this returns, or uploading (async);
+        records any earlier upload that finished meanwhile."""
+        ck = self.cfg.checkpoint
+        saved = self.group.save(self.store.url, ck.keep, self.cfg.fault.step_timeout_s, inject)
+        self._saved(saved.pop("finished", []))
+        if saved["async"]:
+            self.saving = True
+            log.info(
+                "checkpoint step %d: training blocked %.2fs; uploading to %s",
+                step,
+                saved["blocked_s"],
+                redact_url(saved["path"]),
+            )
+        else:
+            self._saved([saved])
+
+    def _wait_for_saves(self) -> dict | None:
+        """Wait for the upload in flight (if any); its record, once recorded."""
+        if not self.saving:
+            return None
+        done = self.group.finished_saves(self.group.start_timeout_s)
+        self._saved(done)
+        return done[-1] if done else None
+
+    def _saved(self, records: list[dict]) -> None:
+        """Saves that finished: committed ones are checkpoints; failed ones leave the one before
+        as the latest (the next save tries again)."""
+        for r in records:
+            self.saving = False
+            path = redact_url(r["path"])
+            if "error" in r:
+                log.warning("checkpoint step %d failed: %s; %s", r["step"], r["error"], self._last_good())
+                self.log.event({"event": "checkpoint_failed", "step": r["step"], "path": path, "error": r["error"]})
+                self.summary.checkpoints["failed"] += 1
+                continue
+            blocked, upload = round(r["blocked_s"], 3), round(r["upload_s"], 3)
+            log.info(
+                "checkpoint step %d committed: %s (training blocked %.2fs, %s %.2fs)",
+                r["step"],
+                path,
+                blocked,
+                "upload" if r["async"] else "of it writing",
+                upload,
+            )
+            self.log.event(
+                {"event": "checkpoint", "step": r["step"], "path": path, "blocked_s": blocked, "upload_s": upload}
+                | {"async": r["async"]}
+            )
+            self.summary.last_checkpoint, self.committed_step = path, r["step"]
+            c = self.summary.checkpoints
+            c["saved"] += 1
+            c["blocked_s"] = round(c["blocked_s"] + blocked, 3)
+            c["upload_s"] = round(c["upload_s"] + upload, 3)
+
+    def _finish(self, step: int) -> Finished | Recovering | Failed:
+        """The last step is trained: the final checkpoint's upload must be committed before the
+        run counts as done. If it failed, the state is still in memory: save it once more."""
+        for attempt in range(2):
+            try:
+                done = self._wait_for_saves()
+            except WorkerError as err:
+                return self._failed(err, step, None)
+            if done is None or "error" not in done:
+                break
+            if attempt == 0:
+                try:
+                    self._save(step, None)
+                except WorkerError as err:
+                    return self._failed(err, step, None)
+            else:
+                return Failed(
+                    RunFailed(
+                        f"the final checkpoint (step {step}) could not be written: {done['error']}; {self._last_good()}"
+                    )
+                )
+        self.summary.train_s = round(time.perf_counter() - self.train_started, 3)
+        return Finished()
+
     def _failed(self, err: WorkerError, step: int, inject: Injection | None) -> Recovering:
         """A call failed while training `step`: what the recovery starts from."""
         log.warning("step %d failed: %s", step, err)
         since = self.log.history[-1]["time"] if self.log.history else None
         detect = max(0.0, time.time() - since) if since else 0.0
         dp = self.group.dp if self.group is not None else 0
-        good = checkpoint_store.latest(self.ckpt_root)
+        good = checkpoint_store.latest(self.store)
         intr = Interruption("restart", str(err), step, dp, resume_step=good.step if good else 0, detect_s=detect)
         return Recovering(err, intr, injected=inject is not None)
 
     def _restore(self, intr: Interruption | None) -> int:
         """Load the latest checkpoint into the group (if any) and describe the group in the
         summary; returns the step restored."""
-        group, ckpt, step = self.group, checkpoint_store.latest(self.ckpt_root), 0
+        group, ckpt, step = self.group, checkpoint_store.latest(self.store), 0
         if ckpt is not None:
             mark = time.perf_counter()
             step = group.load(str(ckpt.path), ckpt.meta)
@@ -338,7 +452,7 @@ class Controller:
         return injection
 
     def _last_good(self, short: bool = False) -> str:
-        good = checkpoint_store.latest(self.ckpt_root)
+        good = checkpoint_store.latest(self.store)
         if short:
             return str(good.path) if good else "the beginning"
         return f"last good checkpoint: {good.path} (step {good.step})" if good else "no checkpoint yet"
@@ -401,3 +515,12 @@ class Controller:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+def open_store(url: str, options: dict) -> Store:
+    try:
+        return Store.open(url, options)
+    except ValueError as err:
+        raise ConfigError(
+            "checkpoint.dir", f"{redact_url(url)}: {err}; install the store's fsspec package (e.g. s3fs, gcsfs)"
+        ) from None

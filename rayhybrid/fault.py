@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 KINDS = ("kill", "hang", "raise", "kill_save")
 """kill: SIGKILL at the start of the step; hang: SIGSTOP there; raise: `InjectedFault` there;
-kill_save: SIGKILL during the checkpoint save after the step."""
+kill_save: SIGKILL during the checkpoint save after the step, once the rank's own data is
+written (mid-upload when saves are asynchronous)."""
 PHASES = ("step", "save")
 FORM = "KIND@STEP or KIND@STEP:RANK, e.g. kill@5 or hang@9:3"
 _PATTERN = re.compile(r"(?P<kind>\w+)@(?P<step>-?\d+)(?::(?P<rank>\d+))?")

@@ -147,6 +147,8 @@ class RunSummary:
     resumed_from: str | None = None
     resumed_step: int | None = None
     last_checkpoint: str | None = None
+    checkpoints: dict = field(default_factory=lambda: {"saved": 0, "failed": 0, "blocked_s": 0.0, "upload_s": 0.0})
+    """Saves committed and failed; the seconds they blocked training and their uploads took, in all."""
     error: str | None = None
     workers: dict = field(default_factory=dict)
     """What the workers said of themselves: placement, device, backend, params, loss_floor."""

@@ -229,8 +229,10 @@ def checkpoint_then_continue(rank: int, cfg, root: str, before: int, after: int)
 
     tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
     first = [tr.train_step()["loss"] for _ in range(before)]
-    saved = tr.save_checkpoint(root, keep=2)
+    saved = tr.save_checkpoint(root, keep=2)  # uploads while the next steps train
     rest = [tr.train_step()["loss"] for _ in range(after)]
+    (done,) = tr.finished_checkpoints(wait=True) or [saved]  # committed now (async), or already
+    assert "error" not in done, done
     return {"before": first, "after": rest, "path": saved["path"]}
 
 

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from rayhybrid import checkpoint_store as store
+from rayhybrid.storage import Store
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TrainConfig
 from tests.distributed import checkpoint_then_continue, replace_topology, resume_many, run_configs, run_ranks
 
@@ -48,10 +49,10 @@ def source(tmp_path_factory):
 def test_published_atomically_and_complete(source):
     root, result = source
     names = sorted(os.listdir(root))
-    assert names == [store.name_for(BEFORE)], names  # no temporary directory left behind
+    assert names == [store.name_for(BEFORE)], names  # nothing else left behind
     ckpt = store.check(root / names[0])
     assert ckpt.meta["step"] == BEFORE and ckpt.meta["consumed_samples"] == BEFORE * 8
-    assert ckpt.meta["topology"]["dp"] == 2 and ckpt.path == root / names[0] and result["path"] == str(ckpt.path)
+    assert ckpt.meta["topology"]["dp"] == 2 and ckpt.path == str(root / names[0]) == result["path"]
     # 8 ranks wrote shards, but the dp replicas' copies are de-duplicated: total bytes stay
     # about one model + its AdamW state (3 x 234,624 fp32 values for the tiny model at seq 32).
     total = sum(ckpt.meta["files"].values())
@@ -96,19 +97,22 @@ def world4_resumed(source):
 
 
 def test_incomplete_or_corrupt_latest_is_skipped(tmp_path, caplog):
-    good, bad, partial = tmp_path / store.name_for(10), tmp_path / store.name_for(20), tmp_path / store.name_for(30)
+    root = Store.open(tmp_path)
+    good, bad, partial = (tmp_path / store.name_for(step) for step in (10, 20, 30))
     for d in (good, bad):
         d.mkdir()
         (d / ".metadata").write_bytes(b"m" * 10)
         (d / "__0_0.distcp").write_bytes(b"x" * 100)
-        store.write_meta(d, {"step": int(d.name[5:])})
-    (bad / "__0_0.distcp").write_bytes(b"x" * 50)  # truncated after publishing
-    partial.mkdir()  # no meta.json: never finished
-    (tmp_path / (store.TMP_PREFIX + store.name_for(40))).mkdir()  # being written
+        store.commit(root, str(d), {"step": int(d.name[5:])})
+    (bad / "__0_0.distcp").write_bytes(b"x" * 50)  # truncated after the commit
+    partial.mkdir()  # no meta.json: a save that never finished
+    (partial / "__0_0.distcp").write_bytes(b"x" * 100)
+    (tmp_path / (store.LEGACY_TMP_PREFIX + store.name_for(40))).mkdir()  # an older version's temporary
     ckpt = store.latest(tmp_path)
     assert ckpt is not None and ckpt.step == 10
     warnings = " ".join(r.getMessage() for r in caplog.records)
-    assert "has 50 bytes, expected 100" in warnings and "meta.json" in warnings
-    store.retain(tmp_path, keep=2)
-    assert sorted(os.listdir(tmp_path)) == [store.name_for(20), store.name_for(30)]
-    assert json.loads((good.parent / store.name_for(20) / store.META).read_text())["step"] == 20
+    assert "has 50 bytes, expected 100" in warnings and store.name_for(30) not in warnings  # passed over quietly
+    assert store.uncommitted(tmp_path) == [str(partial)]
+    store.retain(root, keep=2)
+    assert sorted(os.listdir(tmp_path)) == [store.name_for(10), store.name_for(20)]
+    assert json.loads((bad / store.META).read_text())["step"] == 20

@@ -54,6 +54,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str
         (["train.micro_batch_size=-1"], ["train.micro_batch_size", "positive"]),
         (["+topology=pp2", "topology.schedule=zb_magic"], ["topology.schedule", "gpipe"]),
         (["+topology=dp9"], ["topology", "dp2_pp2_tp2", "dp1_pp1_tp1"]),
+        (["checkpoint.dir=nope://bucket/x"], ["checkpoint.dir", "unknown storage protocol nope://"]),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, args, words):
@@ -68,6 +69,17 @@ def test_more_ranks_than_cluster_can_place(tmp_path):
     line = assert_one_line_error(proc, "8 ranks", "8 CPUs", "has 4")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"] in line
+
+
+def test_checkpoint_dir_the_workers_cannot_see(tmp_path):
+    """The start-up check, on one machine: `memory://` is a store private to each process, as
+    a node's own disk is to that node. The driver writes its marker there; the node hosting
+    the rank does not see it, and the run stops before training, in one line."""
+    proc = run_cli(["checkpoint.dir=memory://ckpts/run", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    line = assert_one_line_error(proc, "checkpoint.dir", "memory://ckpts/run", "does not see the marker", "node ")
+    assert "every node" in line  # the fix: one store for all
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 0
 
 
 def test_train_dp2_pp2_tp2_from_another_directory(tmp_path):

@@ -111,6 +111,7 @@ def test_fixed_dp_run_fails_clearly_when_a_node_is_gone_for_good(cluster, tmp_pa
         [*COMMON, "topology.dp=3", "train.steps=200", "cluster.placement_timeout_s=5"], run_dir
     )
     when_step(run_dir, 3)
+    wait_for(lambda: events(run_dir, "checkpoint"))  # the step-2 upload is committed
     cluster.remove_node(node_of(run_dir, 2, cluster))
     thread.join(timeout=300)
     err = result.get("error")

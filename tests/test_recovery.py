@@ -125,6 +125,9 @@ def test_restarts_run_out(tmp_path):
     run_dir = tmp_path / "run"
     thread, result = in_background(["+topology=dp2", *COMMON, "train.steps=200", "fault.max_restarts=1"], run_dir)
     when_step(run_dir, 4)
+    deadline = time.monotonic() + 120
+    while not events(run_dir, "checkpoint") and time.monotonic() < deadline:  # its upload committed
+        time.sleep(0.05)
     signal_rank(run_dir, 0, signal.SIGKILL)
     # After the restart, workers.json names the new processes; kill one of them too.
     deadline = time.monotonic() + 120
@@ -140,30 +143,29 @@ def test_restarts_run_out(tmp_path):
     assert checkpoint_store.latest(run_dir / "checkpoints") is not None
 
 
-def test_kill_during_checkpoint_save_keeps_previous(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_kill_during_checkpoint_save_keeps_previous(tmp_path, reference, mode):
+    """Rank 1 dies in the step-6 save once its own shards are written (kill_save): mid-upload
+    when saves are asynchronous, while training has gone on to step 7. The half-written step 6
+    has no commit marker, so it is never loaded: the run goes back to step 3."""
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    # A wider model so a save lasts long enough to be caught in the middle.
-    overrides = ["+topology=dp2", *COMMON, "train.steps=12", "model.d_model=256", "model.n_heads=4"]
-    thread, result = in_background(overrides, run_dir)
-    when_step(run_dir, 4)  # the step-3 checkpoint is published
-    deadline, killed_during = time.monotonic() + 120, None
-    while killed_during is None and time.monotonic() < deadline:
-        temporary = list(ckpts.glob(checkpoint_store.TMP_PREFIX + "*")) if ckpts.exists() else []
-        if temporary:
-            signal_rank(run_dir, 1, signal.SIGKILL)
-            killed_during = temporary[0].name
-        time.sleep(0.002)
-    assert killed_during is not None, "no save caught in flight"
-    thread.join(timeout=300)
-    summary = result.get("summary")
-    assert summary is not None, result.get("error")
-    (recovery,) = summary["recoveries"]
-    # The half-written checkpoint was never published: the run went back to the one before it.
-    interrupted = int(killed_during.removeprefix(checkpoint_store.TMP_PREFIX + checkpoint_store.PREFIX))
-    assert recovery["resume_step"] == interrupted - 3
+    overrides = [
+        "+topology=dp2",
+        *COMMON,
+        "train.steps=12",
+        f"checkpoint.async_save={mode == 'async'}",
+        "fault.inject=[kill_save@6:1]",
+    ]
+    summary = rayhybrid.train(overrides, run_dir=run_dir)
     assert summary["status"] == "completed" and summary["steps"] == 12
-    assert not list(ckpts.glob(checkpoint_store.TMP_PREFIX + "*"))
+    (recovery,) = summary["recoveries"]
+    assert recovery["resume_step"] == 3
+    assert [r["step"] for r in events(run_dir, "resume")] == [3]
+    # Step 6 was saved again after the recovery; nothing uncommitted is left behind.
+    assert [r["step"] for r in events(run_dir, "checkpoint")] == [3, 6, 9, 12]
+    assert not checkpoint_store.uncommitted(ckpts)
     assert checkpoint_store.latest(ckpts).step == 12
+    assert losses(run_dir) == pytest.approx(reference, rel=1e-5)  # dp2 against one rank: to rounding
 
 
 def test_failure_that_repeats_at_the_same_step_stops(tmp_path):

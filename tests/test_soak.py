@@ -148,7 +148,7 @@ def check_run(run_dir: Path, summary: dict, steps: int) -> None:
         if r.get("event") == "resume":
             assert r["checkpoint"] in published, f"resumed from {r['checkpoint']}, never published"
     ckpt_root = Path(summary["checkpoint_dir"])
-    assert not list(ckpt_root.glob(checkpoint_store.TMP_PREFIX + "*")), "a partial checkpoint was left"
+    assert not checkpoint_store.uncommitted(ckpt_root), "a partial checkpoint was left"
     assert checkpoint_store.latest(ckpt_root).step == steps
 
 

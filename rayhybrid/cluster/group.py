@@ -23,6 +23,7 @@ from rayhybrid.cluster.worker import CONTROL, TrainWorker, WorkerInfo
 from rayhybrid.config.schema import Config, with_dp
 from rayhybrid.errors import PlacementTimeout, RankFailed, WorkerError
 from rayhybrid.fault import Injection
+from rayhybrid.storage import forwarded_env
 from rayhybrid.topology import Layout
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ class WorkerGroup:
         self.infos: list[WorkerInfo] = []
         self.descriptions: list[dict] = []
         self._actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(TrainWorker)
+        # The driver's storage settings (AWS_*, GOOGLE_*, ...), for nodes started without them.
+        self.env = forwarded_env()
         self._inflight: list = []  # the refs of the last call, for `drain`
         self._hung = False  # whether that call failed by making no progress
 
@@ -112,6 +115,14 @@ class WorkerGroup:
         # The rest may be a moment behind (placed together); give them that moment, not more.
         ray.wait(rest, num_returns=len(rest), timeout=min(START_GRACE_S, timeout))
         return self.placed_slots()
+
+    def nodes_of(self, slots: list[int]) -> list[str]:
+        """The nodes that the placement groups of `slots` are placed on."""
+        nodes = []
+        for slot in slots:
+            table = ray.util.placement_group_table(self.groups[slot])
+            nodes += [n for n in table.get("bundles_to_node_id", {}).values() if n and n not in nodes]
+        return nodes
 
     def placed_slots(self) -> list[int]:
         """Slots whose placement group is placed now (not pending, not being placed again)."""
@@ -219,6 +230,7 @@ class WorkerGroup:
             placement_group=self.groups[slot], placement_group_bundle_index=local // self.shape.tp
         )
         return self._actor_cls.options(
+            runtime_env={"env_vars": self.env} if self.env else None,
             num_cpus=self.shape.cpus_per_rank,
             num_gpus=1 if self.shape.use_gpu else 0,
             scheduling_strategy=strategy,
@@ -228,7 +240,7 @@ class WorkerGroup:
     def _join(self) -> None:
         """Every worker takes its rank, joins a new process group (a fresh port) and builds its
         part of the model."""
-        workers, timeout = self.workers, self._start_timeout_s
+        workers, timeout = self.workers, self.start_timeout_s
         self.infos = self._get([w.info.remote() for w in workers], timeout, "start")
         gpus_by_node: dict[str, list[str]] = defaultdict(list)
         for info in self.infos:
@@ -249,7 +261,7 @@ class WorkerGroup:
         self.infos = self._get([w.info.remote() for w in workers], timeout, "start")  # with their new ranks
 
     @property
-    def _start_timeout_s(self) -> float:
+    def start_timeout_s(self) -> float:
         """Starting a process, building a model or loading a checkpoint can take longer than a
         step: bounded by whichever of the step and placement timeouts is longer."""
         return max(self.cfg.fault.step_timeout_s, self.cfg.cluster.placement_timeout_s)
@@ -319,7 +331,13 @@ class WorkerGroup:
         return bool(self._inflight) and bool(self.errors())
 
     def save(self, root: str, keep: int, timeout_s: float | None = None, inject: Injection | None = None) -> dict:
+        """Start (async) or write (sync) a checkpoint; rank 0's record of it (trainer/checkpoint.py)."""
         return self._get(self._calls("save", inject, root, keep), timeout_s=timeout_s, what="checkpoint save")[0]
+
+    def finished_saves(self, timeout_s: float | None = None) -> list[dict]:
+        """Wait for the checkpoint upload in flight, if any; rank 0's records of the saves that
+        finished since the last report (committed, or failed with "error")."""
+        return self._get([w.finished_saves.remote() for w in self.workers], timeout_s, "checkpoint upload")[0]
 
     def _calls(self, method: str, inject: Injection | None, *args) -> list:
         """`method(*args)` on every worker, the injected fault's rank told to trigger it."""
@@ -329,7 +347,7 @@ class WorkerGroup:
         ]
 
     def load(self, path: str, meta: dict) -> int:
-        return self._get([w.load.remote(path, meta) for w in self.workers], self._start_timeout_s, "restore")[0]
+        return self._get([w.load.remote(path, meta) for w in self.workers], self.start_timeout_s, "restore")[0]
 
     def placement(self) -> list[dict]:
         """Rank -> node and bundle, for logs, tests and the plan."""

@@ -125,8 +125,15 @@ class TrainWorker:
         return self.trainer.describe()
 
     def save(self, root: str, keep: int, inject: str | None = None) -> dict:
-        """Write a checkpoint; `inject`: a `fault.inject` kind to trigger first (kill_save)."""
-        return self._guarded(self._injected(inject, self.trainer.save_checkpoint), root, keep)
+        """Write a checkpoint (in the background when checkpoint.async_save); `inject`
+        kill_save: this rank dies once its own data is written, mid-save."""
+        if inject not in (None, "kill_save"):
+            raise ValueError(f"fault {inject!r} does not fire in a save")
+        return self._guarded(self.trainer.save_checkpoint, root, keep, inject == "kill_save")
+
+    def finished_saves(self, wait: bool = True) -> list[dict]:
+        """Asynchronous saves finished since the last report; `wait`: for the one in flight."""
+        return self._guarded(self.trainer.finished_checkpoints, wait)
 
     def load(self, path: str, meta: dict) -> int:
         self._guarded(self.trainer.load_checkpoint, path, meta)
@@ -142,8 +149,7 @@ class TrainWorker:
             return fn
 
         def run(*args):
-            # A save belongs to the step just trained; a train call to the step it trains.
-            fault.trigger(kind, self.trainer.step if kind == "kill_save" else self.trainer.step + 1)
+            fault.trigger(kind, self.trainer.step + 1)  # the step this call trains
             return fn(*args)
 
         return run
@@ -168,6 +174,8 @@ class TrainWorker:
         import torch
         import torch.distributed as dist
 
+        if self.trainer is not None:
+            self.trainer.close_checkpoints()
         self.trainer = None
         if dist.is_initialized():
             from rayhybrid.parallel.mesh import forget_meshes

@@ -56,12 +56,20 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="base_config", node=node)
 
 
+FREE_FORM = ("checkpoint.storage_options.",)
+
+
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
-    """`topology=dp2` -> `+topology=dp2` (topology is not in the defaults list)."""
+    """`topology=dp2` -> `+topology=dp2` (topology is not in the defaults list), and
+    `checkpoint.storage_options.K=V` -> `++...` (free-form keys: added or replaced)."""
     out = []
     for item in overrides:
         key = item.split("=", 1)[0]
-        out.append("+" + item if key in OPTIONAL_GROUPS and "=" in item else item)
+        if key in OPTIONAL_GROUPS and "=" in item:
+            item = "+" + item
+        elif key.startswith(FREE_FORM) and "=" in item:
+            item = "++" + item
+        out.append(item)
     return out
 
 
@@ -139,3 +147,18 @@ def replace(cfg: Config, **sections: dict) -> Config:
         current = getattr(cfg, name)
         changes[name] = dataclasses.replace(current, **fields) if isinstance(fields, dict) else fields
     return dataclasses.replace(cfg, **changes)
+
+
+def scrub_run_files(hydra_dir: str | Path, cfg: Config) -> None:
+    """Rewrite the files Hydra keeps of a run (.hydra/*.yaml) without the secrets of `cfg`
+    (checkpoint.storage_options values under secret keys, user:password in checkpoint.dir)."""
+    from rayhybrid.storage import scrub, secret_values
+
+    secrets = secret_values(cfg.checkpoint.storage_options, cfg.checkpoint.dir)
+    if not secrets:
+        return
+    for path in Path(hydra_dir).glob("*.yaml"):
+        text = path.read_text()
+        clean = scrub(text, secrets)
+        if clean != text:
+            path.write_text(clean)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 """Pipeline schedules, by config name. `interleaved_zb` and `zbv` are zero-bubble schedules."""
@@ -115,7 +116,15 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = ""
-    """Where checkpoints go; empty: <run dir>/checkpoints. A run whose dir holds one resumes."""
+    """Where checkpoints go: a path (on a multi-node cluster, a mount every node shares) or a URL
+    of any fsspec store whose package is installed (s3://bucket/prefix, gs://..., file://...);
+    empty: <run dir>/checkpoints. A run whose dir holds a checkpoint resumes from it."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Options for the store's fsspec filesystem (s3: endpoint_url, profile, ...). Credentials
+    are better left to the store's own environment variables and files; values under secret
+    keys (key, secret, token, ...) are redacted wherever the config is written."""
+    async_save: bool = True
+    """Write checkpoints in the background: training waits only while the state is copied."""
     every: int = 50
     """Save every N optimizer steps (and at the end); 0: never."""
     keep: int = 2
@@ -137,7 +146,7 @@ class FaultConfig:
     `fault.inject=[kill@5,hang@9:3]`. KIND: kill (the rank SIGKILLs itself at the start of step
     STEP), hang (it SIGSTOPs itself; found by fault.step_timeout_s), raise (it raises
     InjectedFault), kill_save (it SIGKILLs itself in the checkpoint save after step STEP, which
-    must be a checkpoint step). STEP: 1-based optimizer step. RANK: the victim; without it, one
+    must be a checkpoint step, once its own data is written: mid-upload when async). STEP: 1-based optimizer step. RANK: the victim; without it, one
     drawn with fault.inject_seed. Each fires once per run (see rayhybrid/fault.py)."""
     inject_rate: float = 0.0
     """Random faults: the chance in [0, 1] that a step gets one (each step number drawn once)."""

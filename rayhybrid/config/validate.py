@@ -107,6 +107,7 @@ def validate(cfg: Config) -> None:
     else:
         _batch_split(cfg, t.dp)
     validate_faults(cfg)
+    _checkpoint_dir(cfg.checkpoint.dir)
 
     if d.name == "text" and m.vocab_size < 256:
         raise ConfigError(
@@ -172,3 +173,25 @@ def _elastic(cfg: Config) -> None:
             f"{tr.micro_batch_size}; valid dp values: {', '.join(map(str, anywhere)) or 'none'}; "
             "change elastic.min_dp/max_dp or train.global_batch_size",
         )
+
+
+def _checkpoint_dir(url: str) -> None:
+    """A URL's protocol must be one fsspec knows, with its package installed (s3fs for s3://)."""
+    if "://" not in url:
+        return
+    import fsspec
+
+    from rayhybrid.storage import one_line, redact_url
+
+    protocol = url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as err:
+        raise ConfigError(
+            "checkpoint.dir", f"{redact_url(url)} needs a package that is not installed ({one_line(err)})"
+        ) from None
+    except ValueError:
+        raise ConfigError(
+            "checkpoint.dir",
+            f"unknown storage protocol {protocol}:// in {redact_url(url)}; use a path or s3://, gs://, ...",
+        ) from None

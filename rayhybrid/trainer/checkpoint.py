@@ -1,20 +1,33 @@
-"""Sharded, atomic, reshardable checkpoints with torch.distributed.checkpoint (DCP).
+"""Sharded, reshardable checkpoints with torch.distributed.checkpoint (DCP), on any store.
 
 Every rank writes its own shards (DCP de-duplicates replicated tensors, so data-parallel
-replicas do not write copies); rank 0 publishes the directory with one rename after every rank
-has finished. State keys are the full model's parameter names (docs/design.md, invariant 5) and the
-optimizer state is flattened by those names, so a checkpoint loads under any dp/pp/tp: DCP
-reads each rank's slices of each tensor, whatever the saving layout was.
+replicas do not write copies) straight into `step_<N>/` of the store (a local path, a shared
+mount, or an fsspec URL such as s3://). DCP's coordinator writes `.metadata` once every rank's
+data is complete; rank 0 then writes the commit marker (checkpoint_store.py). State keys are the
+full model's parameter names (docs/design.md, invariant 5) and the optimizer state is flattened
+by those names, so a checkpoint loads under any dp/pp/tp: DCP reads each rank's slices of each
+tensor, whatever the saving layout was.
+
+Saves are asynchronous by default (`checkpoint.async_save`): a save blocks training only while
+it copies the state (DCP's staging); the upload runs in a thread on a gloo group of its own
+(NCCL jobs need a CPU group for it), and the marker is written when it is done. The next save
+waits for the previous one. A save that fails or is interrupted is never committed, so the
+previous checkpoint stays the latest.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import logging
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -23,7 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rayhybrid import checkpoint_store as store
+from rayhybrid import checkpoint_store
+from rayhybrid.storage import Store, one_line
+
+log = logging.getLogger(__name__)
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -45,31 +61,150 @@ def state_dict(trainer) -> tuple[dict, list[tuple[set, set]]]:
     return {"model": model, "optim": optim, "extra": extra}, keys
 
 
-def save(trainer, root: str | Path, keep: int) -> dict:
-    """Write a checkpoint of the trainer's current step; returns timings (rank 0 publishes)."""
-    root = Path(root)
-    start = time.perf_counter()
-    name = store.name_for(trainer.step)
-    tmp, final = root / (store.TMP_PREFIX + name), root / name
-    group = trainer.world_group
-    state, _ = state_dict(trainer)
-    if dist.get_rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-    dist.barrier(group=group)
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
-    dist.barrier(group=group)  # every rank's shards are on disk
-    if dist.get_rank() == 0:
-        store.write_meta(tmp, trainer.checkpoint_meta())
-        store.publish(tmp, final)
-        store.retain(root, keep)
-    dist.barrier(group=group)
-    return {"path": str(final), "save_s": time.perf_counter() - start}
+def writer(store: Store, path: str, die_after_write: bool = False):
+    """DCP's writer for `path` of `store`, configured with the store's options. Never handed a
+    `checkpoint_id` as well: DCP would rebuild the filesystem from it and drop the options.
+    `die_after_write`: the rank SIGKILLs itself once its own data is written (fault.inject's
+    kill_save: a save killed mid-upload)."""
+    if store.local:
+        cls, args = dcp.FileSystemWriter, {}
+    else:
+        cls, args = FsspecWriter, store.options
+    if die_after_write:
+        cls = type("DieAfterWrite", (_DieAfterWrite, cls), {})
+    return cls(store.url_of(path), **args)
 
 
-def load(trainer, path: str | Path) -> None:
-    """Restore model, optimizer and RNG from `path`, resharding to this rank's layout."""
+def reader(store: Store, path: str):
+    if store.local:
+        return dcp.FileSystemReader(path)
+    return FsspecReader(store.url_of(store.relative(path)), **store.options)
+
+
+class _DieAfterWrite:
+    def write_data(self, plan, planner):
+        from rayhybrid import fault
+
+        written = super().write_data(plan, planner)
+        written.wait()
+        fault.trigger("kill_save", -1)
+        return written
+
+
+@contextlib.contextmanager
+def _as_exception():
+    """DCP's CheckpointException is a BaseException: raise it as an ordinary error, so that the
+    worker's failure handling (which leaves the process group) sees it."""
+    try:
+        yield
+    except Exception:
+        raise
+    except BaseException as err:
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise RuntimeError(one_line(err)) from err
+
+
+class Saver:
+    """This rank's side of saving checkpoints into one store (one per trainer and root).
+
+    save()  -> {"step", "path", "blocked_s", ...}   blocks only for staging when async
+    poll()  -> saves finished since the last call: {"step", "path", "blocked_s", "upload_s"}
+               or {"step", "path", "error"}; committed by rank 0 before they are reported
+    wait()  -> the same, after waiting for the save in flight
+    close() -> abandon a save in flight: it is never committed (a failed or rebuilt world)
+    """
+
+    def __init__(self, trainer, root: str, options: dict | None, keep: int, async_save: bool) -> None:
+        self.trainer = trainer
+        self.root = root
+        self.store = Store.open(root, options)
+        self.keep = keep
+        self.rank = dist.get_rank()
+        self.group = trainer.world_group
+        self.upload_group = trainer.upload_group if async_save else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-upload") if async_save else None
+        self._inflight: concurrent.futures.Future | None = None
+        self._lock = threading.Lock()
+        self._abandoned = False
+
+    @property
+    def asynchronous(self) -> bool:
+        return self._pool is not None
+
+    def save(self, die_after_write: bool = False) -> dict:
+        trainer, store = self.trainer, self.store
+        start = time.perf_counter()
+        finished = self.wait()  # the next save waits for the previous one
+        waited_s = time.perf_counter() - start
+        step, meta = trainer.step, trainer.checkpoint_meta()
+        if self.rank == 0:
+            path = checkpoint_store.begin(store, step)
+        else:
+            path = store.join(checkpoint_store.name_for(step))
+        dist.barrier(group=self.group)  # nothing left of an earlier save of this step
+        state, _ = state_dict(trainer)
+        out = writer(store, path, die_after_write)
+        record = {"step": step, "path": store.url_of(path), "async": self.asynchronous, "waited_s": waited_s}
+        if not self.asynchronous:
+            written = time.perf_counter()
+            with _as_exception():
+                dcp.save(state, storage_writer=out, process_group=self.group)  # every rank's data and .metadata
+            if self.rank == 0:
+                checkpoint_store.commit(store, path, meta)
+                checkpoint_store.retain(store, self.keep)
+            end = time.perf_counter()
+            return {**record, "blocked_s": end - start, "upload_s": end - written, "finished": finished}
+        upload = dcp.async_save(state, storage_writer=out, process_group=self.upload_group)
+        staged = time.perf_counter()
+        record["blocked_s"] = staged - start
+        self._inflight = self._pool.submit(self._finish, upload, path, meta, record, staged)
+        return {**record, "finished": finished}
+
+    def _finish(self, upload, path: str, meta: dict, record: dict, staged: float) -> dict:
+        """In the upload thread: wait for every rank's data and DCP's .metadata, then commit
+        (rank 0), unless the save was abandoned meanwhile."""
+        try:
+            upload.result()
+        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            return {**record, "error": one_line(err)}
+        with self._lock:
+            if self._abandoned:
+                return {**record, "error": "abandoned: the process group it was written by failed"}
+            if self.rank == 0:
+                try:
+                    checkpoint_store.commit(self.store, path, meta)
+                    checkpoint_store.retain(self.store, self.keep)
+                except Exception as err:  # noqa: BLE001 - reported to the driver, never committed
+                    return {**record, "error": one_line(err)}
+        return {**record, "upload_s": time.perf_counter() - staged}
+
+    def poll(self) -> list[dict]:
+        if self._inflight is None or not self._inflight.done():
+            return []
+        done, self._inflight = self._inflight.result(), None
+        return [done]
+
+    def wait(self) -> list[dict]:
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight])
+        return self.poll()
+
+    def close(self) -> None:
+        with self._lock:
+            self._abandoned = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def load(trainer, path: str | Path, options: dict | None = None) -> None:
+    """Restore model, optimizer and RNG from the checkpoint at `path` (a path or URL),
+    resharding to this rank's layout."""
+    path = str(path)
+    store = Store.open(path, options)
     state, keys = state_dict(trainer)
-    dcp.load(state, checkpoint_id=str(path), process_group=trainer.world_group)
+    with _as_exception():
+        dcp.load(state, storage_reader=reader(store, store.root), process_group=trainer.world_group)
     for (module, opt), (model_keys, optim_keys) in zip(_parts(trainer), keys):
         set_model_state_dict(module, {k: state["model"][k] for k in model_keys}, options=OPTIONS)
         set_optimizer_state_dict(module, opt, {k: state["optim"][k] for k in optim_keys}, options=OPTIONS)

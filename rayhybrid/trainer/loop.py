@@ -45,6 +45,11 @@ class Trainer:
         # All ranks, for checkpoints: a group of its own rather than the default one, so that
         # leaving it after a failure (see cluster/worker.py) closes its connections too.
         self.world_group = dist.new_group()
+        # Asynchronous checkpoint uploads run their collectives in a thread of their own, on a
+        # CPU group of their own (NCCL cannot stage; no other thread may share the group).
+        async_saves = cfg.checkpoint.async_save and cfg.checkpoint.every > 0
+        self.upload_group = dist.new_group(backend="gloo") if async_saves else None
+        self.saver = None
         self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
         self.n_microbatches = self.layout.num_microbatches
         self.replica_tokens = self.layout.replica_batch_size * cfg.data.seq_len
@@ -95,10 +100,29 @@ class Trainer:
             "topology": {"dp": t.dp, "pp": t.pp, "tp": t.tp, "schedule": t.schedule, "dp_shard": t.dp_shard},
         }
 
-    def save_checkpoint(self, root: str, keep: int) -> dict:
-        from rayhybrid.trainer import checkpoint
+    def save_checkpoint(self, root: str, keep: int, die_after_write: bool = False) -> dict:
+        """Save the current step under `root` (a path or URL); returns what it did and any
+        earlier asynchronous save that finished meanwhile (`finished`), see `Saver`."""
+        from rayhybrid.trainer.checkpoint import Saver
 
-        return checkpoint.save(self, root, keep)
+        ck = self.cfg.checkpoint
+        if self.saver is None or self.saver.root != root or self.saver.keep != keep:
+            self.close_checkpoints()
+            self.saver = Saver(self, root, ck.storage_options, keep, ck.async_save)
+        return self.saver.save(die_after_write)
+
+    def finished_checkpoints(self, wait: bool = False) -> list[dict]:
+        """Asynchronous saves finished (committed or failed) since the last call; `wait`: wait
+        for the one in flight first."""
+        if self.saver is None:
+            return []
+        return self.saver.wait() if wait else self.saver.poll()
+
+    def close_checkpoints(self) -> None:
+        """Abandon a save in flight (it is never committed); before the process group goes."""
+        if self.saver is not None:
+            self.saver.close()
+            self.saver = None
 
     def load_checkpoint(self, path: str, meta: dict) -> None:
         """Restore a checkpoint written under any topology; the LR schedule follows `step`."""
@@ -109,7 +133,7 @@ class Trainer:
                 f"checkpoint {path} was trained with train.global_batch_size={meta['global_batch_size']}; "
                 f"resume with the same global batch (it fixes the sample stream and the LR schedule)"
             )
-        checkpoint.load(self, path)
+        checkpoint.load(self, path, self.cfg.checkpoint.storage_options)
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
 
@@ -208,7 +232,9 @@ class Trainer:
         self.step += 1
         self.consumed_samples += cfg.train.global_batch_size
         elapsed = time.perf_counter() - start
+        finished = self.finished_checkpoints()
         return {
+            **({"checkpoints": finished} if finished else {}),  # uploads done since the last step
             "step": self.step,
             "loss": loss,
             "lr": lr,
