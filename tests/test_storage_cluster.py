@@ -20,12 +20,13 @@ from rayhybrid.errors import ConfigError
 from rayhybrid.storage import Store
 from tests import s3
 from tests.clusters import add_node, local_cluster
-from tests.test_recovery import events, losses
+from tests.test_recovery import events, in_background, losses, when_step
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=32", "checkpoint.every=2"]
 # Credentials only the driver has; unique, so a leak is found by searching for them.
+GROW_STEPS = 80
 KEY, SECRET = f"key-{uuid.uuid4().hex[:12]}", f"secret-{uuid.uuid4().hex}"
 
 
@@ -43,9 +44,10 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory):
-    """Uninterrupted dp2 losses with checkpoints on the driver's disk."""
+    """Uninterrupted dp2 losses with checkpoints on the driver's disk (the first N are those of
+    a run of N steps: the learning-rate schedule does not depend on train.steps)."""
     run_dir = tmp_path_factory.mktemp("ref")
-    summary = rayhybrid.train([*COMMON, "+topology=dp2", "train.steps=10"], run_dir=run_dir)
+    summary = rayhybrid.train([*COMMON, "+topology=dp2", f"train.steps={GROW_STEPS}"], run_dir=run_dir)
     assert summary["status"] == "completed"
     return losses(run_dir)
 
@@ -76,7 +78,7 @@ def test_recovery_from_s3_is_exact_and_keeps_no_secret(cluster, reference, tmp_p
     # Restored from the bucket, and the losses are those of the uninterrupted run, bit for bit.
     (resume,) = events(run_dir, "resume")
     assert resume["checkpoint"].startswith(f"{url}/step_") and resume["step"] in (4, 6)
-    assert losses(run_dir) == reference
+    assert losses(run_dir) == reference[:10]
     # Retention in the bucket: the newest two committed checkpoints, nothing uncommitted.
     store = bucket(url)
     assert [checkpoint_store.step_of(p) for p in checkpoint_store.committed(store)] == [8, 10]
@@ -166,3 +168,27 @@ def test_node_that_sees_another_store_is_refused(cluster, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps"] == 0
     assert not [p for p in Path(tmp_path / "run").glob("checkpoints/*")]
+
+
+def test_elastic_grow_onto_a_new_node_restores_from_s3(cluster, reference, tmp_path):
+    """A node that joins later passes the storage check and its replica restores from the
+    bucket: the run starts at dp1 (one node of 4 CPUs per rank) and grows to dp2."""
+    c, _ = cluster
+    normal = [n for n in c.list_all_nodes() if n is not c.head_node]
+    c.remove_node(normal[-1])
+    run_dir, url = tmp_path / "run", "s3://ckpts/grow"
+    elastic = ["elastic.enabled=true", "elastic.min_dp=1", "elastic.max_dp=2", "elastic.reschedule_timeout_s=5"]
+    overrides = [*COMMON, *elastic, f"train.steps={GROW_STEPS}", "cluster.cpus_per_rank=4", f"checkpoint.dir={url}"]
+    thread, result = in_background(overrides, run_dir)
+    when_step(run_dir, 1)
+    joined = add_node(c, 4)
+    thread.join(timeout=400)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    assert summary["status"] == "completed" and summary["steps"] == GROW_STEPS
+    (grow,) = summary["resizes"]
+    assert (grow["from_dp"], grow["to_dp"]) == (1, 2)
+    assert joined.node_id in {w["node_id"] for w in summary["placement"]}
+    resumed = events(run_dir, "resume")[-1]
+    assert resumed["step"] == grow["step"] and resumed["checkpoint"] == f"{url}/step_{grow['step']:08d}"
+    assert losses(run_dir) == pytest.approx(reference, rel=1e-5)  # dp1 then dp2: the same mathematics
