@@ -31,7 +31,7 @@ FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCLOUD_", "CLOUDSDK_", "GCE_", "AZURE_
 _SECRET_WORDS = {"key", "secret", "token", "password", "passwd", "credential", "credentials", "sas", "signature"}
 _OVERRIDE = re.compile(r"^(\+{0,2}[\w.\-]+)=(.*)$", re.DOTALL)
 _USERINFO = re.compile(r"([a-zA-Z][\w+.-]*://)[^/@\s]*@")
-REDACTED = "***"
+REDACTED = "REDACTED"  # a plain YAML scalar (unlike "***", which YAML reads as an alias)
 
 
 def is_secret(name: str) -> bool:
@@ -43,7 +43,7 @@ def is_secret(name: str) -> bool:
 
 
 def redact(value: Any, name: str = "") -> Any:
-    """`value` with every secret replaced by '***': values under secret-looking keys, and the
+    """`value` with every secret replaced by REDACTED: values under secret-looking keys, and the
     user:password part of URLs. Works on nested dicts and lists (configs, records)."""
     if isinstance(value, dict):
         return {
@@ -82,7 +82,7 @@ def scrub(text: str, secrets: list[str]) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``s3://KEY:SECRET@bucket/x`` -> ``s3://***@bucket/x``; other strings unchanged."""
+    """``s3://KEY:SECRET@bucket/x`` -> ``s3://REDACTED@bucket/x``; other strings unchanged."""
     return _USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", url)
 
 
@@ -170,7 +170,12 @@ class Store:
 
 
 def one_line(err: BaseException) -> str:
-    """An error as `Type: first line of its message`, short enough for a one-line message."""
+    """An error as `Type: first line of its message`, short enough for a one-line message. DCP's
+    CheckpointException lists its ranks first and their errors after: the first rank's error."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (cause, _) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        return f"{type(err).__name__}: rank {rank}: {one_line(cause)}"[:300]
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return redact_url(f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__)[:300]
 

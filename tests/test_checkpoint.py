@@ -12,8 +12,8 @@ import os
 import pytest
 
 from rayhybrid import checkpoint_store as store
-from rayhybrid.storage import Store
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TrainConfig
+from rayhybrid.storage import Store
 from tests.distributed import checkpoint_then_continue, replace_topology, resume_many, run_configs, run_ranks
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
