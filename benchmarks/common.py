@@ -6,6 +6,7 @@ taken between runs of one `run.py` invocation, never against figures from anothe
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -21,33 +22,40 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def env() -> dict:
-    e = dict(os.environ)
+def env(extra: dict | None = None) -> dict:
+    e = dict(os.environ) | (extra or {})
     e.pop("RAY_ADDRESS", None)
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH", "")]))
     e.setdefault("OMP_NUM_THREADS", "1")
     return e
 
 
-def steps_of(run_dir: Path) -> list[dict]:
+def records_of(run_dir: Path) -> list[dict]:
+    """Every record of metrics.jsonl in order: steps and events ({"event": ...})."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line) if "event" not in r]
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def steps_of(run_dir: Path) -> list[dict]:
+    return [r for r in records_of(run_dir) if "event" not in r]
 
 
 class Run:
     """`python -m rayhybrid <overrides>` in the background, watched from here: the wall time from
     launch to the first step's record, and what it leaves in its run directory."""
 
-    def __init__(self, overrides: list[str], run_dir: Path, module: str = "rayhybrid") -> None:
+    def __init__(
+        self, overrides: list[str], run_dir: Path, module: str = "rayhybrid", extra_env: dict | None = None
+    ) -> None:
         self.run_dir = run_dir
         self.launched = time.perf_counter()
         self.first_step_s: float | None = None
         self.proc = subprocess.Popen(
             [PY, "-m", module, *overrides, f"hydra.run.dir={run_dir}"],
             cwd=ROOT,
-            env=env(),
+            env=env(extra_env),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -82,9 +90,9 @@ class Run:
         return time.perf_counter()
 
 
-def train(overrides: list[str], run_dir: Path) -> tuple[dict, list[dict], float]:
+def train(overrides: list[str], run_dir: Path, extra_env: dict | None = None) -> tuple[dict, list[dict], float]:
     """A whole run; (summary, step records, seconds from launch to the first step's record)."""
-    run = Run(overrides, run_dir)
+    run = Run(overrides, run_dir, extra_env=extra_env)
     run.wait_for_step(1)
     summary = run.finish()
     return summary, steps_of(run_dir), run.first_step_s
@@ -133,3 +141,62 @@ def torchrun(n: int) -> list[str]:
 def intervals(walls: list[float]) -> list[float]:
     """Seconds between consecutive steps' wall-clock times."""
     return [b - a for a, b in itertools.pairwise(walls)]
+
+
+# A real S3 server to measure against: moto's server mode on 127.0.0.1, in a thread of this
+# process (the same as tests/s3.py, which benchmarks do not import).
+DEAD_ENDPOINT = "http://127.0.0.1:9"  # the discard port: nothing listens there
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@contextlib.contextmanager
+def environ(**values: str | None):
+    """Set (or with None, remove) environment variables of this process; restore them afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def loopback_aws():
+    """Every AWS client of this process, and of the processes started from it meanwhile, points
+    at a dead loopback port with no credentials: one that loses its endpoint fails here instead
+    of reaching a real cloud."""
+    names = [k for k in os.environ if k.startswith("AWS_")]
+    with environ(**dict.fromkeys(names), AWS_ENDPOINT_URL=DEAD_ENDPOINT, AWS_EC2_METADATA_DISABLED="true"):
+        yield
+
+
+@contextlib.contextmanager
+def moto_server():
+    """moto's S3 server on a free loopback port; yields its endpoint URL."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # verbose=False leaves the request log on
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def make_bucket(name: str, endpoint: str) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing", skip_instance_cache=True)
+    fs.mkdir(name)

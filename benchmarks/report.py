@@ -267,6 +267,129 @@ def _schedules(r: dict) -> str:
     return out
 
 
+def _checkpoints(r: dict) -> str:
+    models = r.get("models", {})
+    setup = "; ".join(
+        f"{name}: {' '.join(m['overrides']) or 'the defaults'}, {m['steps']} steps, a save every {m['every']}"
+        for name, m in models.items()
+    )
+    out = (
+        "## 7. Checkpoints: asynchronous against synchronous saves\n\n"
+        "One rank, the tiny default model (4 layers, d 64, vocabulary 256, sequence 64) and one about 100x "
+        f"larger ({setup}; a save at the last step too), each run into a local directory and into S3, with "
+        "`checkpoint.async_save` true and false. S3 is moto's server on 127.0.0.1, in the benchmark's own "
+        "process: it runs on the same 2 cores as training, which a real S3 would not. *Blocked*: training "
+        "stopped per save, as the rank measures it (async: staging a CPU copy, plus waiting for the previous "
+        "upload if it was still running; sync: the whole save). *Upload*: from staged to committed (sync: the "
+        "write). *Driver pause*: the extra wall time the driver saw between the step before a save and the "
+        "step after. *Uploading*: the steps from the one after a save to the one whose record the commit "
+        "follows (the upload ran during all or part of each); *no upload*: the other steps after the first "
+        "two. Medians over the saves and steps of one run per case; runs alternate async and sync.\n\n"
+    )
+    out += _header(r)
+    if "rows" not in r:
+        return out
+
+    def steps(n, x):
+        return f"{n}: {_f(x, 3)}" if n else "-"
+
+    out += _table(
+        [
+            "model",
+            "store",
+            "save",
+            "saves",
+            "blocked (s)",
+            "upload (s)",
+            "blocked async / sync",
+            "driver pause (s)",
+            "step after a save (s)",
+            "uploading: steps, median (s)",
+            "no upload: steps, median (s)",
+            "uploading / no upload",
+            "train (s)",
+        ],
+        [
+            [
+                f"{x['model']} ({x['params'] / 1e6:.2f}M)",
+                x["store"],
+                "async" if x["async"] else "sync",
+                str(x["saves"]) + (f", {len(x['failed'])} failed" if x["failed"] else ""),
+                _f(x["blocked_s"], 3),
+                _f(x["upload_s"], 3),
+                _f(x.get("blocked_vs_sync"), 3) if x["async"] else "",
+                _f(x["driver_pause_s"], 3),
+                _f(x["after_save_s"], 3),
+                steps(x["uploading_steps"], x["uploading_s"]),
+                steps(x["quiet_steps"], x["quiet_s"]),
+                _f(x["slowdown"]) + "x" if x["slowdown"] else "-",
+                _f(x["train_s"], 1),
+            ]
+            for x in r["rows"]
+        ],
+    )
+    notes = [
+        f"{x['model']} {x['store']} {'async' if x['async'] else 'sync'}: {e}" for x in r["rows"] for e in x["failed"]
+    ]
+    if notes:
+        out += "Failed saves: " + "; ".join(notes) + ".\n\n"
+    long = [x for x in r["rows"] if x.get("outlasted")]
+    if long:
+        out += (
+            "Uploads still running at the next save (which waited for them, inside its time blocked): "
+            + "; ".join(f"{x['model']} {x['store']}: {x['outlasted']} of {x['saves']}" for x in long)
+            + ".\n\n"
+        )
+    out += (
+        "Noise: the quartiles of the no-upload steps (s), and the 1-minute load average before and after each "
+        "run: "
+        + "; ".join(
+            f"{x['model']} {x['store']} {'async' if x['async'] else 'sync'} "
+            f"{'/'.join(_f(q, 3) for q in x['quiet_quartiles_s'] or [])}, load {x['load'][0]:.1f} -> {x['load'][1]:.1f}"
+            for x in r["rows"]
+        )
+        + ".\n\n"
+    )
+    out += _checkpoints_reading(r["rows"])
+    return out
+
+
+def _checkpoints_reading(rows: list[dict]) -> str:
+    """What the numbers say, computed from them."""
+    pairs = []
+    for a in (x for x in rows if x["async"]):
+        sync = [x for x in rows if (x["model"], x["store"]) == (a["model"], a["store"]) and not x["async"]]
+        if sync:
+            pairs.append((f"{a['model']} {a['store']}", a, sync[0]))
+
+    def span(xs, fmt="{:.2f}"):
+        xs = [x for x in xs if x is not None]
+        return "n/a" if not xs else fmt.format(min(xs)) + (f"-{fmt.format(max(xs))}" if max(xs) != min(xs) else "")
+
+    sync_after = [s["after_save_s"] / s["quiet_s"] for _, _, s in pairs if s["after_save_s"] and s["quiet_s"]]
+    out = (
+        f"Reading: an async save blocked training for {span([a.get('blocked_vs_sync') for _, a, _ in pairs])} of "
+        "the time a sync save did (a copy of the state in memory instead of the whole write). The upload then "
+        "shares the 2 cores with training: steps with an upload in flight took "
+        f"{span([a['slowdown'] for _, a, _ in pairs])}x as long as steps without (the step right after a sync "
+        f"save took {span(sync_after)}x, so this is the upload's doing), and the upload took "
+        f"{span([a['upload_s'] / s['upload_s'] for _, a, s in pairs if a['upload_s'] and s['upload_s']])}x as "
+        "long as the same write done synchronously. Training time, async over sync (below 1: async finished "
+        "sooner): "
+        + ", ".join(f"{name} {a['train_s'] / s['train_s']:.2f}" for name, a, s in pairs if s["train_s"])
+        + "."
+    )
+    s3 = [x for x in rows if x["store"] == "s3" and x.get("server_cpu_s") is not None]
+    if s3:
+        out += (
+            " The S3 server's CPU time per run (the benchmark's process), which a real S3 would not take from "
+            "these cores: "
+            + ", ".join(f"{x['model']} {'async' if x['async'] else 'sync'} {x['server_cpu_s']:.1f} s" for x in s3)
+            + "."
+        )
+    return out + "\n\n"
+
+
 SECTIONS = {
     "scaling": _scaling,
     "overhead": _overhead,
@@ -274,6 +397,7 @@ SECTIONS = {
     "recovery": _recovery,
     "batch_search": _batch_search,
     "schedules": _schedules,
+    "checkpoints": _checkpoints,
 }
 
 
@@ -319,6 +443,17 @@ def table(results: dict) -> str:
                 + "  ".join(
                     f"{x['budget_mb']:.0f}MB {x['search']}: {x['trials']} trials {x['wall_s']:.0f}s -> {x['largest']}"
                     for x in r["rows"]
+                )
+            )
+        elif name == "checkpoints":
+            lines.append(
+                f"{name:13s} blocked async/sync "
+                + "  ".join(
+                    f"{x['model']} {x['store']} {_f(x.get('blocked_vs_sync'), 3)}" for x in r["rows"] if x["async"]
+                )
+                + "; uploading/no-upload step "
+                + "  ".join(
+                    f"{x['model']} {x['store']} {_f(x['slowdown'])}x" for x in r["rows"] if x["async"] and x["slowdown"]
                 )
             )
         elif name == "schedules":

@@ -1,6 +1,6 @@
 """rayhybrid's benchmarks against the alternatives; writes BENCHMARKS.md and prints one table.
 
-    python benchmarks/run.py --quick          # under 10 minutes on a 2-core CPU machine
+    python benchmarks/run.py --quick          # 13 minutes on a 2-core CPU machine (6 of them checkpoints)
     python benchmarks/run.py                  # more steps and more cases
     python benchmarks/run.py --only scaling,schedules
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -306,6 +307,129 @@ def schedules(tmp: Path, quick: bool) -> dict:
     return {"rows": rows, "micro_batches": m}
 
 
+# About 100x the tiny default model's parameters (0.23M): 8 layers of d 512, 25M.
+BIG_MODEL = ["model.n_layers=8", "model.d_model=512", "model.n_heads=8"]
+
+
+def checkpoints(tmp: Path, quick: bool) -> dict:
+    """What a checkpoint costs training, asynchronous (the default) against synchronous, into S3
+    (moto's server on 127.0.0.1, in this process) and onto local disk, for the tiny default model
+    and one about 100x larger; one rank, a save every few steps. Per run: the time blocked per
+    save and the upload's time (checkpoint events), and step times while an upload is in flight
+    against steps with none (see _checkpoint_stats)."""
+    # A save every `every` steps and at the last; the larger model's upload takes several steps.
+    models = {
+        "tiny": {"overrides": [], "steps": 20 if quick else 30, "every": 5},
+        "8 x 512": {
+            "overrides": [*BIG_MODEL, "train.global_batch_size=4", "train.micro_batch_size=4"],
+            "steps": 20 if quick else 40,
+            "every": 10,
+        },
+    }
+    cases = [  # (model, store, async): async, sync; then sync, async: a slow spell favours neither
+        (model, store, asynchronous)
+        for m, model in enumerate(models)
+        for s, store in enumerate(("local", "s3"))
+        for asynchronous in ((True, False) if (m + s) % 2 == 0 else (False, True))
+    ]
+    rows = []
+    # loopback_aws first: nothing started from here on can reach a real cloud.
+    with common.loopback_aws(), common.moto_server() as endpoint:
+        aws = {**common.CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+        common.make_bucket("bench", endpoint)
+        for i, (model, store, asynchronous) in enumerate(cases):
+            name = f"{i}-{store}-{'async' if asynchronous else 'sync'}"
+            where = f"s3://bench/{name}" if store == "s3" else str(tmp / f"ckpt-{name}")
+            m = models[model]
+            overrides = [
+                *m["overrides"],
+                f"train.steps={m['steps']}",
+                f"checkpoint.every={m['every']}",
+                "train.log_every=100",
+                f"checkpoint.dir={where}",
+                f"checkpoint.async_save={str(asynchronous).lower()}",
+            ]
+            load, cpu = os.getloadavg()[0], time.process_time()
+            summary, _, _ = common.train(overrides, tmp / f"ckpt-run-{name}", extra_env=aws)
+            cpu = time.process_time() - cpu  # this process's CPU: almost all moto's, serving S3
+            rows.append(
+                {
+                    "model": model,
+                    "params": summary["params"],
+                    "store": store,
+                    "async": asynchronous,
+                    **_checkpoint_stats(common.records_of(tmp / f"ckpt-run-{name}")),
+                    "summary": summary["checkpoints"],
+                    "train_s": summary["train_s"],
+                    "load": [round(load, 2), round(os.getloadavg()[0], 2)],  # 1-minute load average, before/after
+                    "server_cpu_s": round(cpu, 2),
+                }
+            )
+    for row in rows:
+        if row["async"]:
+            (sync,) = [x for x in rows if (x["model"], x["store"], x["async"]) == (row["model"], row["store"], False)]
+            row["blocked_vs_sync"] = (
+                row["blocked_s"] / sync["blocked_s"] if row["blocked_s"] and sync["blocked_s"] else None
+            )
+    return {"rows": rows, "models": models}
+
+
+def _checkpoint_stats(records: list[dict], warmup: int = 2) -> dict:
+    """One run's checkpoint costs, from its metrics.jsonl records in order.
+
+    A save of step s starts right after step s's record; its commit is recorded ("checkpoint"
+    event, or "checkpoint_failed") after the record of the first step that ended with the upload
+    done, or at the next save, which waits for it. The steps in between ran with the upload in
+    flight (the last of them perhaps only in part); a synchronous save's event comes before the
+    next step, so it has none. Steps 1..`warmup` count in neither group."""
+    saves = [r for r in records if r.get("event") == "checkpoint"]
+    failed = [r for r in records if r.get("event") == "checkpoint_failed"]
+    saved_at = {r["step"] for r in saves + failed}
+    inflight: set[int] = set()
+    uploading, quiet, after_save, pauses, gaps = [], [], [], [], []
+    last, outlasted = None, 0
+    for r in records:
+        if r.get("event") in ("checkpoint", "checkpoint_failed"):
+            inflight.discard(r["step"])
+            # Reported after the next save's step: the upload took the whole interval, and the
+            # next save may have waited for it (within its time blocked).
+            outlasted += last is not None and last["step"] != r["step"] and last["step"] in saved_at
+        elif "event" not in r:
+            k = r["step"]
+            if k > warmup:
+                (uploading if inflight else quiet).append(r["step_time_s"])
+                if k - 1 in saved_at:
+                    after_save.append(r["step_time_s"])
+                if last is not None:  # the driver's wall between two step records, less the step
+                    (pauses if k - 1 in saved_at else gaps).append(r["time"] - last["time"] - r["step_time_s"])
+            if k in saved_at:
+                inflight.add(k)
+            last = r
+
+    def median(xs):
+        return statistics.median(xs) if xs else None
+
+    pause, gap = median(pauses), median(gaps)
+    return {
+        "saves": len(saves),
+        "failed": [f"step {r['step']}: {r['error']}" for r in failed],
+        "blocked_s": median([r["blocked_s"] for r in saves]),
+        "upload_s": median([r["upload_s"] for r in saves]),
+        "blocked_all_s": [r["blocked_s"] for r in saves],
+        "upload_all_s": [r["upload_s"] for r in saves],
+        # The wall time the driver saw a save add between two steps (save call less a step's usual call)
+        "driver_pause_s": pause - gap if pause is not None and gap is not None else None,
+        "outlasted": outlasted,
+        "after_save_s": median(after_save),
+        "uploading_steps": len(uploading),
+        "uploading_s": median(uploading),
+        "quiet_steps": len(quiet),
+        "quiet_s": median(quiet),
+        "quiet_quartiles_s": statistics.quantiles(quiet, n=4) if len(quiet) >= 2 else None,
+        "slowdown": median(uploading) / median(quiet) if uploading and quiet else None,
+    }
+
+
 BENCHMARKS = {
     "scaling": scaling,
     "overhead": overhead,
@@ -313,12 +437,13 @@ BENCHMARKS = {
     "recovery": recovery,
     "batch_search": batch_search,
     "schedules": schedules,
+    "checkpoints": checkpoints,
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and cases (under 10 minutes)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and cases (13 minutes on 2 cores)")
     parser.add_argument("--only", default="", help="comma-separated benchmark names: " + ", ".join(BENCHMARKS))
     parser.add_argument("--out", default=str(common.ROOT / "BENCHMARKS.md"))
     args = parser.parse_args()

@@ -98,3 +98,106 @@ def test_unknown_benchmark_is_a_usage_error():
     )
     assert proc.returncode == 2
     assert "unknown benchmark(s) ['speed']; choose from scaling, overhead" in proc.stderr
+
+
+def _step(k: int, t: float, time: float) -> dict:
+    return {"step": k, "step_time_s": t, "time": time}
+
+
+def test_checkpoint_stats_split_steps_by_upload_in_flight():
+    # Async, a save every 4 of 12 steps: step 4's upload is committed after step 6 (steps 5, 6
+    # ran alongside it); step 8's outlasts its interval and is reported after step 12's record.
+    # The driver's clock: each record a step's time after the last, and 0.5 s, then 0.7 s more
+    # after a save (the save call).
+    records = [_step(k, 1.0, float(k)) for k in range(1, 5)]
+    records += [_step(5, 3.0, 7.5), _step(6, 2.0, 9.5)]
+    records += [{"event": "checkpoint", "step": 4, "blocked_s": 0.1, "upload_s": 2.5, "async": True}]
+    records += [_step(7, 1.0, 10.5), _step(8, 1.0, 11.5)]
+    records += [_step(9, 4.0, 16.2), _step(10, 2.0, 18.2), _step(11, 2.0, 20.2), _step(12, 2.0, 22.2)]
+    records += [{"event": "checkpoint", "step": 8, "blocked_s": 0.3, "upload_s": 9.0, "async": True}]
+    records += [{"event": "checkpoint_failed", "step": 12, "path": "s3://b/x", "error": "boom"}]
+    stats = bench_run._checkpoint_stats(records)
+    assert stats["saves"] == 2 and stats["failed"] == ["step 12: boom"]
+    assert stats["blocked_s"] == pytest.approx(0.2) and stats["upload_s"] == pytest.approx(5.75)
+    assert stats["uploading_steps"] == 6  # 5, 6 and 9-12; steps 1, 2 are warm-up
+    assert stats["uploading_s"] == 2.0 and stats["quiet_steps"] == 4 and stats["quiet_s"] == 1.0
+    assert stats["slowdown"] == 2.0
+    assert stats["after_save_s"] == 3.5  # steps 5 and 9
+    assert stats["outlasted"] == 1
+    assert stats["driver_pause_s"] == pytest.approx(0.6)
+
+    # Sync: the event comes before the next step, so nothing ever runs alongside an upload.
+    sync = [_step(k, 1.0, float(k)) for k in range(1, 5)]
+    sync += [{"event": "checkpoint", "step": 4, "blocked_s": 2.0, "upload_s": 1.9, "async": False}]
+    sync += [_step(5, 1.5, 7.5), _step(6, 1.0, 8.5)]
+    stats = bench_run._checkpoint_stats(sync)
+    assert stats["uploading_steps"] == 0 and stats["uploading_s"] is None and stats["slowdown"] is None
+    assert stats["quiet_steps"] == 4 and stats["after_save_s"] == 1.5 and stats["outlasted"] == 0
+    assert stats["driver_pause_s"] == pytest.approx(2.0)  # 7.5 - 4 - 1.5, less a usual gap of 0
+
+
+def _checkpoint_row(store: str, asynchronous: bool, **values) -> dict:
+    row = {
+        "model": "tiny",
+        "params": 234624,
+        "store": store,
+        "async": asynchronous,
+        "saves": 4,
+        "failed": [],
+        "blocked_s": 0.02 if asynchronous else 0.4,
+        "upload_s": 0.6 if asynchronous else 0.4,
+        "driver_pause_s": 0.03 if asynchronous else 0.41,
+        "outlasted": 0,
+        "after_save_s": 0.2 if asynchronous else 0.1,
+        "uploading_steps": 6 if asynchronous else 0,
+        "uploading_s": 0.25 if asynchronous else None,
+        "quiet_steps": 12 if asynchronous else 18,
+        "quiet_s": 0.1,
+        "quiet_quartiles_s": [0.09, 0.1, 0.12],
+        "slowdown": 2.5 if asynchronous else None,
+        "train_s": 3.0 if asynchronous else 4.0,
+        "load": [2.0, 3.5],
+        "server_cpu_s": 1.5,
+    }
+    if asynchronous:
+        row["blocked_vs_sync"] = 0.05
+    return row | values
+
+
+def test_report_checkpoints_section():
+    meta = {"seconds": 300.0, "command": "python benchmarks/run.py --only checkpoints", "date": "d", "machine": "x"}
+    rows = [
+        _checkpoint_row("s3", True, failed=["step 8: boom"], outlasted=1),
+        _checkpoint_row("s3", False),
+    ]
+    results = {
+        "checkpoints": {
+            **meta,
+            "rows": rows,
+            "models": {"tiny": {"overrides": [], "steps": 20, "every": 4}},
+        }
+    }
+    md = report.markdown(results)
+    assert "## 7. Checkpoints" in md
+    assert "Command: `python benchmarks/run.py --only checkpoints` (d, x, 300.0 s)" in md
+    assert "tiny: the defaults, 20 steps, a save every 4" in md
+    assert (
+        "| tiny (0.23M) | s3 | async | 4, 1 failed | 0.020 | 0.600 | 0.050 | 0.030 | 0.200 | 6: 0.250 | 12: 0.100 | 2.50x | 3.0 |"
+        in md
+    )
+    assert "| tiny (0.23M) | s3 | sync | 4 | 0.400 | 0.400 |  | 0.410 | 0.100 | - | 18: 0.100 | - | 4.0 |" in md
+    assert "Failed saves: tiny s3 async: step 8: boom." in md
+    assert (
+        "Uploads still running at the next save (which waited for them, inside its time blocked): tiny s3: 1 of 4" in md
+    )
+    assert "tiny s3 async 0.090/0.100/0.120, load 2.0 -> 3.5" in md
+    assert "blocked training for 0.05 of the time a sync save did" in md
+    assert "the step right after a sync save took 1.00x" in md
+    assert "took 2.50x as long as steps without" in md and "took 1.50x as long as the same write" in md
+    assert "tiny s3 0.75." in md and "tiny async 1.5 s" in md
+    (line,) = report.table(results).splitlines()
+    assert line.startswith("checkpoints") and "tiny s3 0.050" in line and "tiny s3 2.50x" in line
+    json.dumps(results)
+
+    failed = report.markdown({"checkpoints": {**meta, "error": "RuntimeError: no moto"}})
+    assert "**Failed**: `RuntimeError: no moto`" in failed and "| model |" not in failed
