@@ -1,6 +1,7 @@
 """`python -m rayhybrid [overrides...]`: compose the config with Hydra, validate, train.
 
-Exit codes: 0 done, 1 the run failed, 2 bad configuration (one line on stderr), 130 interrupted.
+Exit codes: 0 done, 1 the run failed, 2 bad configuration (one line on stderr), 130 interrupted
+(Ctrl-C, or SIGTERM, which first saves a checkpoint after the step in progress).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def task(node) -> None:
             scrub_run_files(Path(cfg.run_dir) / hydra.output_subdir, cfg)
         validate(cfg)
         summary = Controller(cfg).run()
+    if summary["status"] == "interrupted":  # SIGTERM: stopped after a final checkpoint
+        sys.exit(130)
     if summary["status"] != "completed":
         sys.exit(1)
 

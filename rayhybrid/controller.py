@@ -5,7 +5,8 @@
     Starting ──> Training ──(every step)──> Training ──(last step)──> Finished
                   │    ▲  └─(checkpoint, more replicas placed)─> Resizing ─┐
                   │    └──────────────────────────────────────────────────┘
-                  └─(a call failed)─> Recovering ──> Training, Starting (the start failed) or Failed
+                  ├─(a call failed)─> Recovering ──> Training, Starting (the start failed) or Failed
+                  └─(SIGTERM)─> a final checkpoint ──> Stopped (exit code 130)
 
 Each state's handler is short; the rules live in pure policies (`rayhybrid.policy`): the failure
 policy says restart or give up, the scaling policy which replica slots to train on. The records
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -77,6 +80,15 @@ class Finished(State):
 
 
 @dataclass(frozen=True)
+class Stopped(State):
+    """SIGTERM (`ray job stop`, a reclaimed head node): stopped at a step boundary, after a
+    final checkpoint."""
+
+    reason: str
+    terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
 class Failed(State):
     error: RunFailed
     terminal: ClassVar[bool] = True
@@ -121,16 +133,22 @@ class Controller:
         )
         self.observer = Observer(cfg, self.log.dir)
         started_ray = False
+        self.stop_requested: str | None = None
+        previous = None
         try:
             self.store = open_store(self.checkpoint_url, cfg.checkpoint.storage_options)
             self.summary.checkpoint_dir = self.store.display
             started_ray = connect(cfg)
+            previous = _on_sigterm(self._request_stop)  # after ray.init, which installs its own
             state: State = Starting()
             while not state.terminal:
                 state = self.handlers[type(state)](state)
             if isinstance(state, Failed):
                 raise state.error
-            self.summary.status = "completed"
+            if isinstance(state, Stopped):
+                self.summary.status, self.summary.error = "interrupted", state.reason
+            else:
+                self.summary.status = "completed"
         except KeyboardInterrupt:
             self.summary.status, self.summary.error = "interrupted", "interrupted by the user"
             raise
@@ -138,8 +156,12 @@ class Controller:
             self.summary.status, self.summary.error = "failed", str(err)
             raise
         finally:
+            _on_sigterm(previous)
             self._close(started_ray)
         s = self.summary
+        if s.status == "interrupted":
+            log.warning("stopped: %s; summary in %s", s.error, self.log.dir / "summary.json")
+            return s.to_dict()
         floor = s.workers.get("loss_floor")
         log.info(
             "done: %d steps in %.1fs, loss %s -> %s%s%s; summary in %s",
@@ -200,6 +222,8 @@ class Controller:
         step, group = state.step, self.group
         if step >= self.cfg.train.steps:
             return self._finish(step)
+        if self.stop_requested:
+            return self._stop(step)
         inject = self._inject(step + 1, "step")
         try:
             (metrics,) = group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
@@ -366,6 +390,28 @@ class Controller:
             c["blocked_s"] = round(c["blocked_s"] + blocked, 3)
             c["upload_s"] = round(c["upload_s"] + upload, 3)
 
+    def _request_stop(self, signum, frame) -> None:
+        """The SIGTERM handler: stop at the next step boundary (a handler must not interrupt a
+        Ray call half-way)."""
+        name = signal.Signals(signum).name
+        if self.stop_requested is None:
+            log.warning("%s: saving a checkpoint and stopping after the step in progress", name)
+        self.stop_requested = name
+
+    def _stop(self, step: int) -> Stopped | Recovering:
+        """Save the steps trained since the last checkpoint (unless checkpoint.every=0), wait
+        for the upload, and stop."""
+        try:
+            self._wait_for_saves()
+            if step > 0 and self.cfg.checkpoint.every > 0 and self.committed_step != step:
+                self._save(step, None)
+                self._wait_for_saves()
+        except WorkerError as err:
+            return self._failed(err, step + 1, None)
+        self.summary.train_s = round(time.perf_counter() - self.train_started, 3)
+        kept = f"checkpoint {self.summary.last_checkpoint}" if self.committed_step == step else self._last_good()
+        return Stopped(f"stopped by {self.stop_requested} after step {step}; {kept}")
+
     def _finish(self, step: int) -> Finished | Recovering | Failed:
         """The last step is trained: the final checkpoint's upload must be committed before the
         run counts as done. If it failed, the state is still in memory: save it once more."""
@@ -515,6 +561,14 @@ class Controller:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+def _on_sigterm(handler):
+    """Install `handler` for SIGTERM; returns the one before. Only the main thread may (a run
+    in another thread, e.g. a test's, keeps the default)."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def open_store(url: str, options: dict) -> Store:

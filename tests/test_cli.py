@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,12 @@ pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 300, module: str = "rayhybrid") -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], cwd: Path, timeout: float = 300, module: str = "rayhybrid", env_extra: dict | None = None
+) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
+    env.update(env_extra or {})
     # Works from any directory: the installed package, else this checkout.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return subprocess.run(
@@ -116,3 +121,58 @@ def test_default_trains_one_rank(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["topology"]["world_size"] == 1 and summary["steps"] == 3
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_130_and_the_run_resumes_from_it(tmp_path):
+    """`ray job stop`, or a head node reclaimed, sends the driver SIGTERM: it finishes the step in
+    progress, saves and commits a checkpoint of it (checkpoint.every is far off), writes the
+    summary and exits with 130. A run started from that checkpoint carries on exactly."""
+    common = ["data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.every=1000"]
+    reference = tmp_path / "ref"
+    proc = run_cli([*common, "train.steps=40", f"hydra.run.dir={reference}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])))
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "rayhybrid", *common, "train.steps=100000", f"hydra.run.dir={run_dir}"]
+    driver = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while sum('"loss"' in line for line in _lines(run_dir / "metrics.jsonl")) < 5:
+            assert driver.poll() is None and time.monotonic() < deadline, "the run did not get to step 5"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped = summary["steps"]
+    assert summary["status"] == "interrupted" and stopped >= 5 and "SIGTERM" in summary["error"]
+    saved = [json.loads(line) for line in _lines(run_dir / "metrics.jsonl") if '"event": "checkpoint"' in line]
+    assert [r["step"] for r in saved] == [stopped]  # the one save: the stop's, after the last step
+    assert summary["last_checkpoint"] == str(run_dir / "checkpoints" / f"step_{stopped:08d}")
+
+    resumed = tmp_path / "resumed"
+    proc = run_cli(
+        [
+            *common,
+            f"train.steps={stopped + 5}",
+            f"checkpoint.dir={run_dir / 'checkpoints'}",
+            f"hydra.run.dir={resumed}",
+        ],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = json.loads((resumed / "summary.json").read_text())
+    assert after["resumed_step"] == stopped
+    assert _losses(resumed) == _losses(reference)[stopped : stopped + 5]  # bitwise: one rank, same state
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in _lines(run_dir / "metrics.jsonl") if '"loss"' in line]
