@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
+import sys
+import time
 
 import ray
 
 from rayhybrid.cluster.placement import ReplicaShape, alive_nodes
 from rayhybrid.config.schema import Config
 from rayhybrid.errors import ConfigError
+from rayhybrid.storage import one_line
 from rayhybrid.topology import Layout
 
 log = logging.getLogger(__name__)
@@ -20,10 +25,10 @@ def connect(cfg: Config) -> bool:
     the caller then shuts down). An already initialised Ray (a notebook, a test) is reused."""
     if ray.is_initialized():
         return False
+    setting = "cluster.address" if cfg.cluster.address else "RAY_ADDRESS"
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
     if address:
-        log.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        join(address, setting, cfg.cluster.connect_timeout_s)
         return False
     ranks = Layout.of(cfg).world_size
     num_cpus = cfg.cluster.num_cpus or max(int(ranks * cfg.cluster.cpus_per_rank + 0.999), os.cpu_count() or 1)
@@ -39,6 +44,101 @@ def connect(cfg: Config) -> bool:
         log_to_driver=True,
     )
     return True
+
+
+def join(address: str, setting: str, timeout_s: float) -> None:
+    """Connect to the cluster at `address` ("auto", "ip:port" or "ray://ip:port"): exit 2 with
+    one line when nothing answers there within `timeout_s`, or when it refuses the token.
+
+    Token authentication: see `_authenticate`."""
+    from ray._private.authentication.authentication_token_setup import (
+        _get_default_token_path,
+        maybe_enable_token_auth_if_token_available,
+    )
+    from ray.exceptions import AuthenticationError
+
+    if address != "auto":
+        _wait_for_port(address, setting, timeout_s)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    try:
+        if address == "auto" or address.startswith("ray://"):
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)  # what Ray does for "auto"
+        else:
+            _authenticate(address)
+        log.info("connecting to the Ray cluster at %s", address)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+    except AuthenticationError as err:
+        has_token = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+        what = "refused the token" if has_token or _get_default_token_path().exists() else "asks for a token"
+        raise ConfigError(
+            "RAY_AUTH_TOKEN",
+            f"the Ray cluster at {address} ({setting}) {what} ({one_line(err).split('. ')[0]}); set RAY_AUTH_TOKEN, "
+            "or RAY_AUTH_TOKEN_PATH, to the cluster's token (`ray get-auth-token` prints it on the head node)",
+        ) from None
+    except ConnectionError as err:
+        raise ConfigError(setting, f"cannot connect to a Ray cluster at {address}: {one_line(err)}; {_FIX}") from None
+
+
+def _authenticate(address: str) -> None:
+    """Token authentication as the cluster at `address` has it (Ray 2.60 turns it on by itself
+    only for "auto"): ask its GCS without a token first; when it asks for one, turn token mode
+    on (the token from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) and ask
+    again. A refused token raises AuthenticationError at once, where ray.init would retry for
+    20 s and then say only that it could not connect. An explicit RAY_AUTH_MODE is kept."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    with _stderr_to_devnull():  # the GCS client logs each refusal to stderr itself
+        try:
+            GcsClient(address=address, cluster_id=None)
+            return
+        except AuthenticationError:
+            if "RAY_AUTH_MODE" in os.environ or not maybe_enable_token_auth_if_token_available(warn_if_disabled=False):
+                raise
+        GcsClient(address=address, cluster_id=None)
+
+
+@contextlib.contextmanager
+def _stderr_to_devnull():
+    """File descriptor 2 to /dev/null meanwhile (Ray's C++ client logs there directly)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+_FIX = "start one (`ray start --head`), or give the head's address (ip:6379 by default; auto on a node of the cluster)"
+
+
+def _wait_for_port(address: str, setting: str, timeout_s: float) -> None:
+    """Until `timeout_s`: try a TCP connection to the GCS port, so that an address where
+    nothing listens fails in seconds, not after Ray's own minutes of retries."""
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError(setting, f"{address!r} is not an address; give ip:port (e.g. 10.0.0.5:6379) or auto")
+    deadline, tries, reason = time.monotonic() + timeout_s, 0, ""
+    while True:
+        tries += 1
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as err:
+            reason = err.strerror or type(err).__name__
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    raise ConfigError(
+        setting,
+        f"nothing answers at {address}: {tries} connection(s) in {timeout_s:g}s (cluster.connect_timeout_s), "
+        f"the last: {reason}; {_FIX}",
+    )
 
 
 def resolve_shape(cfg: Config) -> ReplicaShape:

@@ -107,6 +107,8 @@ class ClusterConfig:
     use_gpu: str = "auto"
     """auto: one GPU per rank when the cluster has GPUs; true: require them; false: CPU (gloo)."""
     placement_timeout_s: float = 120.0
+    connect_timeout_s: float = 30.0
+    """How long to try to reach cluster.address (or RAY_ADDRESS) before giving up with exit 2."""
     num_cpus: int = 0
     """Logical CPUs for a local Ray; 0: enough for the ranks."""
     cpus_per_rank: float = 1.0
