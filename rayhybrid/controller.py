@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import signal
 import threading
 import time
@@ -29,7 +30,7 @@ import ray
 from rayhybrid import checkpoint_store
 from rayhybrid.cluster.connect import connect, resolve_shape
 from rayhybrid.cluster.group import WorkerGroup, not_placed_again
-from rayhybrid.cluster.placement import check_capacity
+from rayhybrid.cluster.placement import check_capacity, draining_nodes
 from rayhybrid.cluster.storage_check import check_storage
 from rayhybrid.config.schema import Config
 from rayhybrid.config.validate import usable_dps
@@ -122,6 +123,8 @@ class Controller:
         self.storage_seen: set[str] = set()  # nodes that passed the storage check
         self.saving = False  # a save was started whose outcome the driver has not had yet
         self.committed_step: int | None = None  # the newest checkpoint committed in this run
+        self.evacuated: set[str] = set()  # nodes the run moved off after a preemption notice
+        self.next_drain_poll = 0.0
         self.summary = RunSummary(
             topology={**dataclasses.asdict(cfg.topology), **Layout.of(cfg).summary()},
             model=dataclasses.asdict(cfg.model),
@@ -237,6 +240,9 @@ class Controller:
         self.log.step(metrics)
         self._saved(finished)
         step, last_step_at = metrics["step"], time.perf_counter()
+        notice = self._preemption_notice() if step < self.cfg.train.steps else {}
+        if notice:
+            return self._evacuate(step, notice, last_step_at)
         if not self.cfg.checkpoint.due(step, self.cfg.train.steps):
             return Training(step)
         inject = self._inject(step, "save")
@@ -303,6 +309,12 @@ class Controller:
             return Starting(intr)
         intr.teardown_s = time.perf_counter() - mark
         mark = time.perf_counter()
+        # Replicas that lost workers on a node being drained go elsewhere (nothing new starts there).
+        draining = set(draining_nodes())
+        moving = [slot for slot in drained.broken if set(group.nodes_of([slot])) & draining]
+        if moving:
+            group.replace(moving)
+            self.evacuated |= draining
         wait_s = self.cfg.elastic.reschedule_timeout_s if self.elastic else self.cfg.cluster.placement_timeout_s
         lost = group.wait_placed(drained.broken, wait_s)
         slots = self.scaling.on_loss(group.active, lost)
@@ -389,6 +401,66 @@ class Controller:
             c["saved"] += 1
             c["blocked_s"] = round(c["blocked_s"] + blocked, 3)
             c["upload_s"] = round(c["upload_s"] + upload, 3)
+
+    def _preemption_notice(self) -> dict[str, float]:
+        """Nodes of the replicas in use that Ray is draining (a spot node's preemption notice,
+        an autoscaler scaling in): node id -> seconds left to the deadline (inf: none given).
+        Asks the GCS at most once every DRAIN_POLL_S."""
+        now = time.monotonic()
+        if now < self.next_drain_poll:
+            return {}
+        self.next_drain_poll = now + DRAIN_POLL_S
+        draining = draining_nodes()
+        if not draining:
+            return {}
+        ours = set(self.group.nodes_of(self.group.active)) - self.evacuated
+        return {n: (d / 1000 - time.time() if d else math.inf) for n, d in draining.items() if n in ours}
+
+    def _evacuate(self, step: int, notice: dict[str, float], since: float) -> Resizing | Recovering | Failed:
+        """A preemption notice: checkpoint this step, then move the replicas off the draining
+        nodes before their deadline (elastic: go on with the others; fixed: wait for room
+        elsewhere, up to cluster.placement_timeout_s). No step is trained twice. If the node
+        goes first, the save or the next step fails and recovery takes over."""
+        group, ck = self.group, self.cfg.checkpoint
+        node, left = min(notice.items(), key=lambda kv: kv[1])
+        log.warning(
+            "node %s is being drained (preemption; %s): checkpointing step %d and moving off it",
+            node[:8],
+            f"{left:.0f}s to its deadline" if math.isfinite(left) else "no deadline",
+            step,
+        )
+        try:
+            self._wait_for_saves()
+            if ck.every > 0 and self.committed_step != step:
+                self._save(step, None)
+                self._wait_for_saves()
+        except WorkerError as err:
+            return self._failed(err, step + 1, None)
+        self.evacuated |= set(notice)
+        saved = self.committed_step or 0
+        record = {
+            "event": "preemption",
+            "node": node,
+            "deadline_s": round(left, 3) if math.isfinite(left) else None,
+            "saved_step": saved,
+            "lost_steps": step - saved,
+        }
+        self.log.event(record)
+        self.summary.preemptions.append({k: v for k, v in record.items() if k != "event"})
+        bad = [slot for slot in group.active if set(group.nodes_of([slot])) & set(notice)]
+        group.replace(bad)
+        slots = self.scaling.on_loss(group.active, set(bad)) if self.elastic else []
+        mark = time.perf_counter()
+        if not slots:  # a fixed-size run, or too few replicas left: wait for room elsewhere
+            wait_s = self.cfg.cluster.placement_timeout_s
+            lost = group.wait_placed(bad, wait_s)
+            if lost:
+                return Failed(RunFailed(f"{self._why_not_placed(lost, wait_s)}; {self._last_good()}"))
+            slots = list(group.active)
+        cause = f"node {node[:8]} preempted"
+        intr = Interruption("preempt", cause, step, group.dp, save_s=mark - since, since=since)
+        intr.place_s = time.perf_counter() - mark
+        return Resizing(slots, intr)
 
     def _request_stop(self, signum, frame) -> None:
         """The SIGTERM handler: stop at the next step boundary (a handler must not interrupt a
@@ -561,6 +633,9 @@ class Controller:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+DRAIN_POLL_S = 1.0
 
 
 def _on_sigterm(handler):

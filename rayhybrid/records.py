@@ -66,7 +66,7 @@ class Interruption:
     before it to the first step after. Timings are seconds; a phase that did not happen is 0."""
 
     kind: str
-    """"restart" or "grow"."""
+    """"restart", "grow" or "preempt" (moved off a draining node)."""
     cause: str
     step: int
     """restart: the step that failed; grow: the last step trained before it."""
@@ -140,6 +140,8 @@ class RunSummary:
     restarts: int = 0
     recoveries: list[dict] = field(default_factory=list)
     resizes: list[dict] = field(default_factory=list)
+    preemptions: list[dict] = field(default_factory=list)
+    """Preemption notices the run acted on: node, deadline_s, saved_step, lost_steps."""
     faults_injected: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
     startup_s: float | None = None

@@ -79,6 +79,7 @@ class WorkerGroup:
         # The driver's storage settings (AWS_*, GOOGLE_*, ...), for nodes started without them.
         self.env = forwarded_env()
         self._inflight: list = []  # the refs of the last call, for `drain`
+        self.moves = 0  # replicas moved off draining nodes
         self._hung = False  # whether that call failed by making no progress
 
     @property
@@ -123,6 +124,17 @@ class WorkerGroup:
             table = ray.util.placement_group_table(self.groups[slot])
             nodes += [n for n in table.get("bundles_to_node_id", {}).values() if n and n not in nodes]
         return nodes
+
+    def replace(self, slots: list[int]) -> None:
+        """Move the replicas of `slots` off their nodes (a node being drained): stop their actors
+        and give the slots new placement groups, pending until the cluster has room elsewhere
+        (Ray places nothing new on a draining node). `rebuild` starts actors in them."""
+        for slot in slots:
+            self._stop(self.replicas.get(slot, []))
+            self.replicas[slot] = [None] * self.layout.topology.replica_size
+            release([self.groups[slot]])
+            self.moves += 1  # a fresh name: the group released may keep its own a moment
+            self.groups[slot] = create_replicas(self.shape, 1, name=f"rayhybrid-move{self.moves}", first=slot)[0]
 
     def placed_slots(self) -> list[int]:
         """Slots whose placement group is placed now (not pending, not being placed again)."""
@@ -174,7 +186,9 @@ class WorkerGroup:
         self._stop([workers[rank] for rank in dead - hung])
         _settle(self._inflight)
         self._inflight = []
-        suspects = {self.infos[rank].node_id for rank in unreachable}
+        # The nodes of the workers gone: one that lost power looks alive for a while yet, and
+        # its placement groups placed; a worker started there again would never start.
+        suspects = {self.infos[rank].node_id for rank in dead}
         nodes_lost = wait_for_node_verdicts(suspects, self.cfg.cluster.placement_timeout_s)
         nodes_lost |= {self.infos[rank].node_id for rank in dead} & dead_nodes()
         for rank in dead:

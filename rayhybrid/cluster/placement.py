@@ -49,6 +49,14 @@ def alive_nodes() -> list[dict]:
     return [node for node in ray.nodes() if node.get("Alive")]
 
 
+def draining_nodes() -> dict[str, int]:
+    """Ray's drain state (a spot node's preemption notice, an autoscaler scaling in): node id
+    (hex) -> deadline in ms since the epoch (0: none)."""
+    from ray._private.state import state
+
+    return dict(state.get_draining_nodes())
+
+
 def dead_nodes() -> set[str]:
     """Ids of the nodes the cluster has declared dead."""
     return {node["NodeID"] for node in ray.nodes() if not node.get("Alive")}
@@ -61,7 +69,8 @@ def wait_for_node_verdicts(suspects: set[str], timeout_s: float, probe_s: float 
     there never starts. A node that answers a probe task within `probe_s` is alive; for the
     others, wait (at most `timeout_s`) for Ray's verdict."""
     already = set(suspects) & dead_nodes()
-    suspects = set(suspects) - already
+    # A draining node runs no new task, a probe included: it is alive (and being left).
+    suspects = set(suspects) - already - set(draining_nodes())
     if not suspects:
         return already
     probes = {
@@ -124,9 +133,13 @@ def check_capacity(shape: ReplicaShape, dp: int, nodes: list[dict] | None = None
         )
 
 
-def create_replicas(shape: ReplicaShape, count: int, name: str = "rayhybrid") -> list[PlacementGroup]:
-    """Ask for `count` replica placement groups; they are placed as resources allow."""
-    return [placement_group(shape.bundles(), strategy="PACK", name=f"{name}-replica{i}") for i in range(count)]
+def create_replicas(shape: ReplicaShape, count: int, name: str = "rayhybrid", first: int = 0) -> list[PlacementGroup]:
+    """Ask for `count` replica placement groups, named `name`-replica`first`..., placed as
+    resources allow."""
+    return [
+        placement_group(shape.bundles(), strategy="PACK", name=f"{name}-replica{i}")
+        for i in range(first, first + count)
+    ]
 
 
 def placement_state(pg: PlacementGroup) -> str:

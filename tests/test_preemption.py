@@ -1,0 +1,99 @@
+"""Spot preemption on a `ray.cluster_utils.Cluster`: Ray drains a node with the reason
+"preemption" and a deadline (what the autoscaler and cloud integrations do when a spot node
+is reclaimed with notice). The run checkpoints at the next step boundary and moves off the
+node before the deadline, so no step is trained twice; with a notice too short for that, the
+node dies first and the normal recovery path takes over.
+
+Ray never kills a drained node at its deadline; the caller does (here, the test)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from ray._raylet import GcsClient
+from ray.core.generated.autoscaler_pb2 import DRAIN_NODE_REASON_PREEMPTION
+
+import rayhybrid
+from tests.clusters import add_node, local_cluster, lose_power
+from tests.test_recovery import events, in_background, losses, when_step
+
+pytestmark = pytest.mark.slow
+
+# One replica per node (a rank takes a node's 2 CPUs): dp2 on two of the three nodes.
+COMMON = [
+    "+topology=dp2",
+    "cluster.cpus_per_rank=2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "data.seq_len=32",
+    "checkpoint.every=50",  # far off: the preemption's own checkpoint is the one restored
+    "train.steps=30",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(head_cpus=0, node_cpus=[2, 2, 2]) as (c, _):
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ref")
+    assert rayhybrid.train(COMMON, run_dir=run_dir)["status"] == "completed"
+    return losses(run_dir)
+
+
+def drain(cluster, node_id: str, deadline_s: float) -> None:
+    deadline_ms = int((time.time() + deadline_s) * 1000)
+    accepted, why = GcsClient(address=cluster.address).drain_node(
+        node_id, DRAIN_NODE_REASON_PREEMPTION, "spot instance reclaimed", deadline_ms
+    )
+    assert accepted, why
+
+
+def node_of_replica(run_dir, dp: int) -> str:
+    return next(w["node_id"] for w in json.loads((run_dir / "workers.json").read_text()) if w["dp"] == dp)
+
+
+def test_notice_with_time_to_spare_loses_no_step(cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    thread, result = in_background(COMMON, run_dir)
+    when_step(run_dir, 5)
+    victim = node_of_replica(run_dir, 1)
+    drain(cluster, victim, deadline_s=90)
+    thread.join(timeout=400)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    assert summary["status"] == "completed" and summary["restarts"] == 0
+    (notice,) = summary["preemptions"]
+    assert notice["node"] == victim and 0 < notice["deadline_s"] <= 90 and notice["lost_steps"] == 0
+    # The checkpoint of the step it stopped at, restored on the spare node: each step once.
+    assert [e["step"] for e in events(run_dir, "checkpoint")] == [notice["saved_step"], 30]
+    assert notice["saved_step"] >= 5
+    assert [e["step"] for e in events(run_dir, "resume")] == [notice["saved_step"]]
+    assert victim not in {w["node_id"] for w in summary["placement"]}
+    assert losses(run_dir) == reference  # each step exactly once (losses() checks), bitwise
+    (gone,) = [n for n in cluster.list_all_nodes() if n.node_id == victim]
+    cluster.remove_node(gone)  # the deadline's end, done by the caller
+    add_node(cluster, 2)
+
+
+def test_notice_too_short_takes_the_recovery_path(cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    thread, result = in_background(COMMON, run_dir)
+    when_step(run_dir, 5)
+    before = json.loads((run_dir / "workers.json").read_text())
+    victim = node_of_replica(run_dir, 1)
+    drain(cluster, victim, deadline_s=0.5)
+    (gone,) = [n for n in cluster.list_all_nodes() if n.node_id == victim]
+    cluster.remove_node(gone, allow_graceful=False)  # reclaimed before a save could finish
+    lose_power(before, victim)
+    thread.join(timeout=400)
+    add_node(cluster, 2)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    assert summary["status"] == "completed" and summary["restarts"] == 1
+    assert losses(run_dir) == reference
