@@ -11,7 +11,7 @@ import time
 
 import ray
 
-from rayhybrid.cluster.placement import ReplicaShape, alive_nodes
+from rayhybrid.cluster.placement import ReplicaShape, alive_nodes, autoscaled
 from rayhybrid.config.schema import Config
 from rayhybrid.errors import ConfigError
 from rayhybrid.storage import one_line
@@ -145,7 +145,7 @@ def resolve_shape(cfg: Config) -> ReplicaShape:
     """The resources one replica needs; `cluster.use_gpu=auto` uses GPUs when the cluster has any."""
     gpus = sum(node.get("Resources", {}).get("GPU", 0.0) for node in alive_nodes())
     choice = str(cfg.cluster.use_gpu).lower()
-    if choice == "true" and gpus == 0:
+    if choice == "true" and gpus == 0 and not autoscaled():
         raise ConfigError("cluster.use_gpu", "is true but the cluster has no GPUs; set cluster.use_gpu=auto or false")
     use_gpu = choice == "true" or (choice == "auto" and gpus > 0)
     t = cfg.topology

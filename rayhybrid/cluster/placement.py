@@ -105,9 +105,25 @@ def bundles_that_fit(shape: ReplicaShape, nodes: list[dict]) -> int:
     return total
 
 
+def autoscaled() -> bool:
+    """Whether an autoscaler looks after the cluster (its monitor publishes a status): then
+    nodes come when placement groups wait for them, and what the cluster has now says little."""
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        return bool(_internal_kv_get(DEBUG_AUTOSCALING_STATUS))
+    except Exception:  # noqa: BLE001 - no answer: count it as a fixed cluster
+        return False
+
+
 def check_capacity(shape: ReplicaShape, dp: int, nodes: list[dict] | None = None) -> None:
     """Raise `PlacementError` when the cluster can never place `dp` replicas (counting its
-    total resources, not what is free now)."""
+    total resources, not what is free now). An autoscaled cluster is not checked: its nodes
+    come on demand (up to cluster.placement_timeout_s)."""
+    if nodes is None and autoscaled():
+        log.info("the cluster has an autoscaler: waiting for it to add nodes as the replicas need them")
+        return
     nodes = alive_nodes() if nodes is None else nodes
     device = "GPU" if shape.use_gpu else "CPU"
     per_rank = shape.rank_resources[device]
