@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.test_cli import REPO, assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -49,23 +50,30 @@ def home_with_token(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def ray_head(tmp: Path, home: Path, auth: bool):
-    """`ray start --head --block` on a free port; yields its address ip:port."""
+def ray_head(tmp: Path, home: Path, auth: bool, dashboard_port: int = 0):
+    """`ray start --head --block` on a free port; yields its address ip:port. With
+    `dashboard_port`, the dashboard too (Ray Jobs' HTTP address)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["HOME"] = str(home)
     if not auth:
         env["RAY_AUTH_MODE"] = "disabled"
     ray = Path(sys.executable).parent / "ray"
-    cmd = [str(ray), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--block"]
+    cmd = [str(ray), "start", "--head", f"--port={port}", "--num-cpus=2", "--block"]
+    cmd += [f"--include-dashboard={bool(dashboard_port)}".lower()]
+    if dashboard_port:  # and its job agent's port: 52365, unless told, may be taken by another Ray here
+        cmd += [f"--dashboard-port={dashboard_port}", f"--dashboard-agent-listen-port={free_port()}"]
     temp = Path("/tmp") / f"rh-{uuid.uuid4().hex[:8]}"  # short: Ray's socket paths have a length limit
     cmd.append(f"--temp-dir={temp}")
     log = open(tmp / f"head-{port}.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
+        ports = [port, dashboard_port] if dashboard_port else [port]
         while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            with contextlib.suppress(OSError):
+                for p in ports:
+                    socket.create_connection(("127.0.0.1", p), timeout=1).close()
                 break
             assert proc.poll() is None, (tmp / f"head-{port}.log").read_text()
             assert time.monotonic() < deadline, "the head did not start"
@@ -142,3 +150,53 @@ def test_nothing_listening_exits_2_within_the_timeout(tmp_path, how):
     elapsed = time.monotonic() - start
     assert_one_line_error(proc, how, address, "nothing answers", "cluster.connect_timeout_s", "ray start --head")
     assert elapsed < 3 + 30, elapsed  # the timeout, plus starting Python and composing the config
+
+
+def test_ray_jobs_submit_and_stop(tmp_path):
+    """How most users run on a shared cluster: `ray job submit --address http://head:8265 --
+    python -m rayhybrid ...` (Ray's CLI, like an explicit address, needs RAY_AUTH_MODE=token
+    for a cluster with token authentication). `ray job stop` sends the driver SIGTERM: it
+    saves a checkpoint of the step it is at and stops."""
+    home = home_with_token(tmp_path)
+    dashboard = free_port()
+    ray = str(Path(sys.executable).parent / "ray")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(HOME=str(home), RAY_AUTH_MODE="token")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    jobs = ["--address", f"http://127.0.0.1:{dashboard}"]
+    with ray_head(tmp_path, home, auth=True, dashboard_port=dashboard):
+        done = tmp_path / "done"
+        submit = [ray, "job", "submit", *jobs, "--", sys.executable, "-m", "rayhybrid", *RUN, f"hydra.run.dir={done}"]
+        proc = _submit(submit, env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert json.loads((done / "summary.json").read_text())["status"] == "completed"
+
+        stopped = tmp_path / "stopped"
+        args = [*RUN[1:], "train.steps=100000", "checkpoint.every=1000", f"hydra.run.dir={stopped}"]
+        submit = [ray, "job", "submit", *jobs, "--no-wait", "--", sys.executable, "-m", "rayhybrid", *args]
+        out = _submit(submit, env)
+        job_id = re.search(r"raysubmit_\w+", out.stdout + out.stderr).group(0)
+        deadline = time.monotonic() + 240
+        metrics = stopped / "metrics.jsonl"
+        while not metrics.exists() or metrics.read_text().count('"loss"') < 3:
+            assert time.monotonic() < deadline, "the job did not get to step 3"
+            time.sleep(0.2)
+        subprocess.run([ray, "job", "stop", *jobs, job_id], env=env, capture_output=True, timeout=120, check=True)
+        deadline = time.monotonic() + 60
+        summary_path = stopped / "summary.json"
+        while not summary_path.exists():
+            assert time.monotonic() < deadline, "no summary after ray job stop"
+            time.sleep(0.2)
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "interrupted" and "SIGTERM" in summary["error"]
+    assert summary["last_checkpoint"] == str(stopped / "checkpoints" / f"step_{summary['steps']:08d}")
+
+
+def _submit(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    """`ray job submit`, again while the head's job agent is still starting."""
+    deadline = time.monotonic() + 60
+    while True:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+        if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
+            return proc
+        time.sleep(2)
