@@ -6,7 +6,6 @@ taken between runs of one `run.py` invocation, never against figures from anothe
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -144,59 +143,7 @@ def intervals(walls: list[float]) -> list[float]:
 
 
 # A real S3 server to measure against: moto's server mode on 127.0.0.1, in a thread of this
-# process (the same as tests/s3.py, which benchmarks do not import).
-DEAD_ENDPOINT = "http://127.0.0.1:9"  # the discard port: nothing listens there
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-@contextlib.contextmanager
-def environ(**values: str | None):
-    """Set (or with None, remove) environment variables of this process; restore them afterwards."""
-    before = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
-def loopback_aws():
-    """Every AWS client of this process, and of the processes started from it meanwhile, points
-    at a dead loopback port with no credentials: one that loses its endpoint fails here instead
-    of reaching a real cloud."""
-    names = [k for k in os.environ if k.startswith("AWS_")]
-    with environ(**dict.fromkeys(names), AWS_ENDPOINT_URL=DEAD_ENDPOINT, AWS_EC2_METADATA_DISABLED="true"):
-        yield
-
-
-@contextlib.contextmanager
-def moto_server():
-    """moto's S3 server on a free loopback port; yields its endpoint URL."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # verbose=False leaves the request log on
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
-def make_bucket(name: str, endpoint: str) -> None:
-    import s3fs
-
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing", skip_instance_cache=True)
-    fs.mkdir(name)
+# process; the tests' helpers (tests/s3.py), which point every AWS client at a dead loopback
+# port first, so nothing here can reach a real cloud.
+sys.path.insert(0, str(ROOT))
+from tests.s3 import CREDENTIALS, loopback_aws, make_bucket, moto_server  # noqa: F401

@@ -13,8 +13,6 @@ import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.clusters import free_port, ray_start_head
 from tests.test_cli import REPO, assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.slow
@@ -34,12 +33,6 @@ RUN = [
     "train.global_batch_size=4",
     "train.micro_batch_size=2",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def home_with_token(root: Path) -> Path:
@@ -58,34 +51,11 @@ def ray_head(tmp: Path, home: Path, auth: bool, dashboard_port: int = 0):
     env["HOME"] = str(home)
     if not auth:
         env["RAY_AUTH_MODE"] = "disabled"
-    ray = Path(sys.executable).parent / "ray"
-    cmd = [str(ray), "start", "--head", f"--port={port}", "--num-cpus=2", "--block"]
-    cmd += [f"--include-dashboard={bool(dashboard_port)}".lower()]
+    args = [f"--port={port}", "--num-cpus=2", f"--include-dashboard={bool(dashboard_port)}".lower()]
     if dashboard_port:  # and its job agent's port: 52365, unless told, may be taken by another Ray here
-        cmd += [f"--dashboard-port={dashboard_port}", f"--dashboard-agent-listen-port={free_port()}"]
-    temp = Path("/tmp") / f"rh-{uuid.uuid4().hex[:8]}"  # short: Ray's socket paths have a length limit
-    cmd.append(f"--temp-dir={temp}")
-    log = open(tmp / f"head-{port}.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        ports = [port, dashboard_port] if dashboard_port else [port]
-        while True:
-            with contextlib.suppress(OSError):
-                for p in ports:
-                    socket.create_connection(("127.0.0.1", p), timeout=1).close()
-                break
-            assert proc.poll() is None, (tmp / f"head-{port}.log").read_text()
-            assert time.monotonic() < deadline, "the head did not start"
-            time.sleep(0.5)
+        args += [f"--dashboard-port={dashboard_port}", f"--dashboard-agent-listen-port={free_port()}"]
+    with ray_start_head(args, env, tmp, [port, dashboard_port] if dashboard_port else [port]):
         yield f"127.0.0.1:{port}"
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=15)
-        log.close()
 
 
 def cli(args: list[str], tmp: Path, home: Path, **env: str) -> subprocess.CompletedProcess:
