@@ -28,8 +28,11 @@ COMMON = [
     "train.global_batch_size=8",
     "train.micro_batch_size=2",
     "data.seq_len=32",
-    "checkpoint.every=50",  # far off: the preemption's own checkpoint is the one restored
-    "train.steps=30",
+    # No periodic checkpoint: the preemption's own is the one restored (and the last step's).
+    "checkpoint.every=1000",
+    # Long enough that the drain, at step 5, is seen (polled once a second) well before the
+    # end, however fast the steps are (0.02 s each on a quiet 2-core machine).
+    "train.steps=200",
 ]
 
 
@@ -71,7 +74,7 @@ def test_notice_with_time_to_spare_loses_no_step(cluster, reference, tmp_path):
     (notice,) = summary["preemptions"]
     assert notice["node"] == victim and 0 < notice["deadline_s"] <= 90 and notice["lost_steps"] == 0
     # The checkpoint of the step it stopped at, restored on the spare node: each step once.
-    assert [e["step"] for e in events(run_dir, "checkpoint")] == [notice["saved_step"], 30]
+    assert [e["step"] for e in events(run_dir, "checkpoint")] == [notice["saved_step"], 200]
     assert notice["saved_step"] >= 5
     assert [e["step"] for e in events(run_dir, "resume")] == [notice["saved_step"]]
     assert victim not in {w["node_id"] for w in summary["placement"]}
@@ -97,3 +100,27 @@ def test_notice_too_short_takes_the_recovery_path(cluster, reference, tmp_path):
     assert summary is not None, result.get("error")
     assert summary["status"] == "completed" and summary["restarts"] == 1
     assert losses(run_dir) == reference
+
+
+def test_elastic_run_shrinks_off_the_draining_node(cluster, reference, tmp_path):
+    """An elastic run does not wait for room elsewhere: it checkpoints, goes on with the
+    replica on the healthy node, and its moved replica's placement group waits for a node."""
+    run_dir = tmp_path / "run"
+    elastic = ["elastic.enabled=true", "elastic.min_dp=1", "elastic.max_dp=2"]
+    thread, result = in_background([*COMMON, *elastic], run_dir)
+    when_step(run_dir, 5)
+    victim = node_of_replica(run_dir, 1)
+    drain(cluster, victim, deadline_s=90)
+    thread.join(timeout=400)
+    (gone,) = [n for n in cluster.list_all_nodes() if n.node_id == victim]
+    cluster.remove_node(gone)
+    add_node(cluster, 2)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    assert summary["status"] == "completed" and summary["restarts"] == 0
+    (notice,) = summary["preemptions"]
+    assert notice["lost_steps"] == 0
+    shrink = summary["resizes"][0]
+    assert (shrink["from_dp"], shrink["to_dp"]) == (2, 1) and "preempted" in shrink["cause"]
+    assert shrink["step"] == notice["saved_step"]
+    assert losses(run_dir) == pytest.approx(reference, rel=1e-5)  # each step once; dp 2 then 1
