@@ -127,7 +127,15 @@ def test_sigterm_saves_a_checkpoint_and_exits_130_and_the_run_resumes_from_it(tm
     """`ray job stop`, or a head node reclaimed, sends the driver SIGTERM: it finishes the step in
     progress, saves and commits a checkpoint of it (checkpoint.every is far off), writes the
     summary and exits with 130. A run started from that checkpoint carries on exactly."""
-    common = ["data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.every=1000"]
+    # A constant learning rate after warmup: the same schedule whatever train.steps is, so the
+    # runs of 40, 100000 and stopped + 5 steps train each step alike.
+    common = [
+        "data.seq_len=32",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "checkpoint.every=1000",
+        "train.decay=constant",
+    ]
     reference = tmp_path / "ref"
     proc = run_cli([*common, "train.steps=40", f"hydra.run.dir={reference}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -101,6 +101,46 @@ def test_wrong_token_is_one_line_naming_the_token_setting(token_head, tmp_path):
     assert time.monotonic() - start < 60  # not Ray's 20 s of retries and a traceback
 
 
+def test_a_job_larger_than_a_cluster_without_autoscaler_exits_2_at_once(token_head, tmp_path):
+    """Every head runs Ray's autoscaler monitor; without an autoscaling config it is a read-only
+    one that mirrors the nodes. That is not an autoscaler that can add nodes: a job larger than
+    the cluster stops at once, not after waiting cluster.placement_timeout_s for nodes."""
+    address, home = token_head
+    probe = (
+        "import json, time\n"
+        "import ray\n"
+        "from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS\n"
+        "from ray.experimental.internal_kv import _internal_kv_get\n"
+        "from rayhybrid.cluster.placement import autoscaled\n"
+        f"ray.init(address='{address}', logging_level='ERROR')\n"
+        "deadline = time.monotonic() + 60\n"
+        "while 'autoscaler_report' not in json.loads(_internal_kv_get(DEBUG_AUTOSCALING_STATUS) or '{}'):\n"
+        "    assert time.monotonic() < deadline, 'the monitor never reported'\n"
+        "    time.sleep(0.5)\n"
+        "print('autoscaled', autoscaled())\n"
+    )
+    env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    seen = subprocess.run(
+        [sys.executable, "-c", probe], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "autoscaled False" in seen.stdout, seen.stdout + seen.stderr[-3000:]
+    start = time.monotonic()
+    proc = cli(
+        [
+            "+topology=dp4",
+            *RUN,
+            "train.global_batch_size=8",
+            f"cluster.address={address}",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        tmp_path,
+        home,
+    )
+    assert_one_line_error(proc, "4 ranks", "ask for 4 CPUs", "has 2 on 1 node")
+    assert time.monotonic() - start < 60  # the default cluster.placement_timeout_s is 120
+
+
 def test_cluster_without_authentication_while_a_token_exists(tmp_path):
     home = home_with_token(tmp_path)  # a token here must not make the driver insist on it
     with ray_head(tmp_path, home, auth=False) as address:

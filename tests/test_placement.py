@@ -9,7 +9,7 @@ import pytest
 import ray
 
 import rayhybrid
-from rayhybrid.cluster.placement import ReplicaShape, check_capacity
+from rayhybrid.cluster.placement import ReplicaShape, can_add_nodes, check_capacity
 from rayhybrid.errors import PlacementError
 from tests.clusters import local_cluster
 
@@ -39,6 +39,33 @@ def test_capacity_gpu_and_tp_wider_than_a_node():
         check_capacity(ReplicaShape(pp=1, tp=8, use_gpu=True, cpus_per_rank=1), dp=1, nodes=fake_nodes(64, 64, gpus=4))
     with pytest.raises(PlacementError, match=r"32 ranks .* 32 GPUs .* has 16 on 2 node"):
         check_capacity(ReplicaShape(pp=4, tp=4, use_gpu=True, cpus_per_rank=1), dp=2, nodes=fake_nodes(64, 64, gpus=8))
+
+
+# The autoscaler monitor's reports (`autoscaler_report` in Ray's autoscaling status), as Ray
+# 2.60 wrote them: every head runs the monitor, and without an autoscaling config its
+# read-only autoscaler names one node type per node after the node's id.
+READONLY_REPORT = {
+    "active_nodes": {"node_a146816204c49ce4e6b4fd1038bdfc4f32b8bca6a54df50019fa3eed": 1},
+    "pending_launches": {},
+    "node_type_mapping": {
+        "a146816204c49ce4e6b4fd1038bdfc4f32b8bca6a54df50019fa3eed": "node_a146816204c49ce4e6b4fd1038bdfc4f32b8bca6a54df50019fa3eed"
+    },
+    "legacy": True,
+}
+FAKE_MULTINODE_REPORT = {  # tests/test_autoscaler.py's head, before it added a node
+    "active_nodes": {"ray.head.default": 1},
+    "pending_launches": {},
+    "node_type_mapping": {"fffffffffffffffffffffffffffffffffffffffffffffffffff00000": "ray.head.default"},
+    "legacy": True,
+}
+
+
+def test_only_an_autoscaler_with_node_types_of_its_own_can_add_nodes():
+    assert not can_add_nodes(None)  # no report yet
+    assert not can_add_nodes(READONLY_REPORT)  # ray start --head, a local Ray, cluster_utils.Cluster
+    assert can_add_nodes(FAKE_MULTINODE_REPORT)
+    launching = {**READONLY_REPORT, "pending_launches": {"gpu_worker": 2}}
+    assert can_add_nodes(launching)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ a replica's stages close together.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -105,23 +106,59 @@ def bundles_that_fit(shape: ReplicaShape, nodes: list[dict]) -> int:
     return total
 
 
-def autoscaled() -> bool:
-    """Whether an autoscaler looks after the cluster (its monitor publishes a status): then
-    nodes come when placement groups wait for them, and what the cluster has now says little."""
+AUTOSCALER_REPORT_WAIT_S = 10.0
+"""How long to wait for the first report of a head's autoscaler monitor (it reports every few
+seconds, and not before the raylets' first load report)."""
+
+
+def autoscaled(wait_s: float = AUTOSCALER_REPORT_WAIT_S) -> bool:
+    """Whether an autoscaler that can add nodes looks after the cluster: then nodes come when
+    placement groups wait for them, and what the cluster has now says little.
+
+    Every Ray head runs the autoscaler's monitor and publishes its status. Without an
+    autoscaling config (`ray start --head` alone, a local Ray, `ray.cluster_utils.Cluster`) the
+    monitor runs a read-only autoscaler that only mirrors the nodes there are; so the status
+    alone says nothing, its node types do (`can_add_nodes`). Autoscaler v2 (KubeRay's, or
+    RAY_enable_autoscaler_v2=1) counts as one that can."""
     from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
     from ray.experimental.internal_kv import _internal_kv_get
 
+    deadline = time.monotonic() + wait_s
     try:
-        return bool(_internal_kv_get(DEBUG_AUTOSCALING_STATUS))
+        if is_autoscaler_v2(fetch_from_server=True):
+            return True
+        while True:
+            raw = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+            report = json.loads(raw).get("autoscaler_report") if raw else None
+            if report or time.monotonic() >= deadline:
+                return can_add_nodes(report)
+            time.sleep(0.5)
     except Exception:  # noqa: BLE001 - no answer: count it as a fixed cluster
         return False
 
 
-def check_capacity(shape: ReplicaShape, dp: int, nodes: list[dict] | None = None) -> None:
+def can_add_nodes(report: dict | None) -> bool:
+    """From the autoscaler monitor's report (`autoscaler_report` of its status): False for
+    none, or for the read-only autoscaler of a cluster without an autoscaling config, whose
+    node types are the nodes themselves (`format_readonly_node_type(node id)`, one per node);
+    True for an autoscaler with node types of its own (those of its config)."""
+    from ray.autoscaler._private.util import format_readonly_node_type
+
+    if not report:
+        return False
+    mapping = report.get("node_type_mapping") or {}
+    types = set(report.get("active_nodes") or {}) | set(report.get("pending_launches") or {}) | set(mapping.values())
+    mirrored = {format_readonly_node_type(node) for node in mapping}
+    return bool(types - mirrored)
+
+
+def check_capacity(shape: ReplicaShape, dp: int, nodes: list[dict] | None = None, *, local: bool = False) -> None:
     """Raise `PlacementError` when the cluster can never place `dp` replicas (counting its
     total resources, not what is free now). An autoscaled cluster is not checked: its nodes
-    come on demand (up to cluster.placement_timeout_s)."""
-    if nodes is None and autoscaled():
+    come on demand (up to cluster.placement_timeout_s). `local`: a Ray this process started,
+    which has no autoscaler."""
+    if nodes is None and not local and autoscaled():
         log.info("the cluster has an autoscaler: waiting for it to add nodes as the replicas need them")
         return
     nodes = alive_nodes() if nodes is None else nodes
