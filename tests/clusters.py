@@ -55,12 +55,6 @@ def lose_power(workers: list[dict], node_id: str) -> None:
                 os.kill(w["pid"], signal.SIGKILL)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def ray_start_head(args: list[str], env: dict, log_dir: Path, ports: list[int]):
     """`ray start --head --block ARGS` in a process group of its own, until every port in

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.clusters import free_port, ray_start_head
+from tests.clusters import ray_start_head
+from tests.distributed import free_port
 from tests.test_cli import run_cli
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import logging
 import os
-import socket
 import threading
 import uuid
 from pathlib import Path
@@ -44,6 +43,7 @@ from rayhybrid.storage import (
     write_probe,
 )
 from rayhybrid.trainer import checkpoint as ckpt
+from tests.distributed import free_port
 from tests.s3 import CREDENTIALS, DEAD_ENDPOINT, env, loopback_aws, make_bucket, moto_server, objects
 
 BUCKET = "rayhybrid-tests"
@@ -248,12 +248,6 @@ def test_s3_layout_is_written_in_place(s3):
 
 
 # -- Saver: real DCP saves on a 1-rank gloo group -----------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
