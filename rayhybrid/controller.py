@@ -135,13 +135,13 @@ class Controller:
             checkpoint_dir=redact_url(self.checkpoint_url),
         )
         self.observer = Observer(cfg, self.log.dir)
-        self.started_ray = False  # a local Ray this run started (and shuts down): no autoscaler
+        started_ray = False
         self.stop_requested: str | None = None
         previous = None
         try:
             self.store = open_store(self.checkpoint_url, cfg.checkpoint.storage_options)
             self.summary.checkpoint_dir = self.store.display
-            self.started_ray = connect(cfg)
+            started_ray = connect(cfg)
             previous = _on_sigterm(self._request_stop)  # after ray.init, which installs its own
             state: State = Starting()
             while not state.terminal:
@@ -160,7 +160,7 @@ class Controller:
             raise
         finally:
             _on_sigterm(previous)
-            self._close(self.started_ray)
+            self._close(started_ray)
         s = self.summary
         if s.status == "interrupted":
             log.warning("stopped: %s; summary in %s", s.error, self.log.dir / "summary.json")
@@ -184,8 +184,8 @@ class Controller:
         """Place the replicas, start the workers on them and restore the latest checkpoint. A
         start that fails leaves nothing behind."""
         if self.shape is None:
-            self.shape = resolve_shape(self.cfg, local=self.started_ray)
-            check_capacity(self.shape, self.scaling.min_dp, local=self.started_ray)
+            self.shape = resolve_shape(self.cfg)
+            check_capacity(self.shape, self.scaling.min_dp)
             self._announce()
         group, intr = WorkerGroup(self.cfg, self.shape, self.scaling.slots), state.pending
         mark = time.perf_counter()

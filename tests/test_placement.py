@@ -3,6 +3,9 @@ each replica's stages packed, and a clear error when the cluster can never hold 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import defaultdict
 
 import pytest
@@ -12,6 +15,7 @@ import rayhybrid
 from rayhybrid.cluster.placement import ReplicaShape, can_add_nodes, check_capacity
 from rayhybrid.errors import PlacementError
 from tests.clusters import local_cluster
+from tests.test_cli import REPO
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 
@@ -66,6 +70,25 @@ def test_only_an_autoscaler_with_node_types_of_its_own_can_add_nodes():
     assert can_add_nodes(FAKE_MULTINODE_REPORT)
     launching = {**READONLY_REPORT, "pending_launches": {"gpu_worker": 2}}
     assert can_add_nodes(launching)
+
+
+def test_a_ray_this_process_started_is_not_asked_for_an_autoscaler():
+    """rayhybrid's own local Ray (or a notebook's ray.init()) has no autoscaler: no wait for the
+    head's monitor to report (it reports seconds after the start, up to AUTOSCALER_REPORT_WAIT_S)."""
+    probe = (
+        "import time, ray\n"
+        "from rayhybrid.cluster.placement import autoscaled\n"
+        "ray.init(address='local', num_cpus=1, include_dashboard=False, logging_level='ERROR')\n"
+        "start = time.monotonic()\n"
+        "print('autoscaled', autoscaled(), round(time.monotonic() - start, 2))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
+    answer, seconds = out.stdout.split()[-2:]
+    assert answer == "False" and float(seconds) < 1.0, out.stdout + out.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

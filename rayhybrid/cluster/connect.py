@@ -141,12 +141,11 @@ def _wait_for_port(address: str, setting: str, timeout_s: float) -> None:
     )
 
 
-def resolve_shape(cfg: Config, *, local: bool = False) -> ReplicaShape:
-    """The resources one replica needs; `cluster.use_gpu=auto` uses GPUs when the cluster has
-    any. `local`: a Ray this process started (no autoscaler can add GPU nodes to it)."""
+def resolve_shape(cfg: Config) -> ReplicaShape:
+    """The resources one replica needs; `cluster.use_gpu=auto` uses GPUs when the cluster has any."""
     gpus = sum(node.get("Resources", {}).get("GPU", 0.0) for node in alive_nodes())
     choice = str(cfg.cluster.use_gpu).lower()
-    if choice == "true" and gpus == 0 and (local or not autoscaled()):
+    if choice == "true" and gpus == 0 and not autoscaled():
         raise ConfigError("cluster.use_gpu", "is true but the cluster has no GPUs; set cluster.use_gpu=auto or false")
     use_gpu = choice == "true" or (choice == "auto" and gpus > 0)
     t = cfg.topology

@@ -118,14 +118,19 @@ def autoscaled(wait_s: float = AUTOSCALER_REPORT_WAIT_S) -> bool:
     Every Ray head runs the autoscaler's monitor and publishes its status. Without an
     autoscaling config (`ray start --head` alone, a local Ray, `ray.cluster_utils.Cluster`) the
     monitor runs a read-only autoscaler that only mirrors the nodes there are; so the status
-    alone says nothing, its node types do (`can_add_nodes`). Autoscaler v2 (KubeRay's, or
-    RAY_enable_autoscaler_v2=1) counts as one that can."""
+    alone says nothing, its node types do (`can_add_nodes`). A head this process started
+    (`ray.init()` without an address: rayhybrid's own local Ray, a notebook's) has none, and
+    is not asked. Autoscaler v2 (KubeRay's, or RAY_enable_autoscaler_v2=1) counts as one that
+    can."""
+    from ray._private import worker
     from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
     from ray.autoscaler.v2.utils import is_autoscaler_v2
     from ray.experimental.internal_kv import _internal_kv_get
 
     deadline = time.monotonic() + wait_s
     try:
+        if worker._global_node is not None and worker._global_node.head:
+            return False
         if is_autoscaler_v2(fetch_from_server=True):
             return True
         while True:
@@ -153,12 +158,11 @@ def can_add_nodes(report: dict | None) -> bool:
     return bool(types - mirrored)
 
 
-def check_capacity(shape: ReplicaShape, dp: int, nodes: list[dict] | None = None, *, local: bool = False) -> None:
+def check_capacity(shape: ReplicaShape, dp: int, nodes: list[dict] | None = None) -> None:
     """Raise `PlacementError` when the cluster can never place `dp` replicas (counting its
     total resources, not what is free now). An autoscaled cluster is not checked: its nodes
-    come on demand (up to cluster.placement_timeout_s). `local`: a Ray this process started,
-    which has no autoscaler."""
-    if nodes is None and not local and autoscaled():
+    come on demand (up to cluster.placement_timeout_s)."""
+    if nodes is None and autoscaled():
         log.info("the cluster has an autoscaler: waiting for it to add nodes as the replicas need them")
         return
     nodes = alive_nodes() if nodes is None else nodes

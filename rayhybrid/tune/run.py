@@ -149,8 +149,8 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
     started_ray = connect(cfg)
     host = None
     try:
-        shape = resolve_shape(cfg, local=started_ray)
-        check_capacity(shape, cfg.topology.dp, local=started_ray)
+        shape = resolve_shape(cfg)
+        check_capacity(shape, cfg.topology.dp)
         budget = cfg.tune.memory_budget_mb
         if budget <= 0:
             if not shape.use_gpu:
