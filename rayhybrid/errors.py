@@ -53,4 +53,13 @@ class WorkerError(RayHybridError):
 
 class RankFailed(RayHybridError):
     """Raised inside a worker whose call failed, after it left the process group; the message
-    is the original error's one-line summary."""
+    is the original error's one-line summary, `at` the wall-clock time it happened (the
+    driver names the rank that failed first: its peers fail after it, of broken connections)."""
+
+    def __init__(self, message: str, at: float = 0.0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.at = at
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.at))

@@ -211,3 +211,39 @@ def test_the_module_docstring_example():
     assert scaling.on_start(placed=[0, 1]) == [0, 1]
     assert scaling.on_loss(active=[0, 1, 2], lost={1}) == [0, 2]
     assert scaling.on_checkpoint(active=[0, 2], placed=[0, 1, 2]) == [0, 2, 1]
+
+
+# -- Which failure the worker group reports ------------------------------------------------
+# (rayhybrid/cluster/group.py: the rank that failed first, not a peer that lost its connection
+# to it; FailurePolicy's repeat rule compares these causes.)
+
+PEER_GONE = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:62605"
+OUT_OF_MEMORY = "OutOfMemoryError: the step needs 13.2 MB but tune.memory_budget_mb is 12"
+
+
+def test_the_error_that_happened_first_is_reported_not_its_peers():
+    from rayhybrid.cluster.group import first_failure
+
+    # Rank 0 ran out of memory and left the group; rank 1's collective then broke. Ray may hand
+    # back rank 1's error first: the time each happened decides, not the order of arrival.
+    err = first_failure([(0, OUT_OF_MEMORY, 100.20), (1, PEER_GONE, 100.25)])
+    assert (err.rank, err.message) == (0, OUT_OF_MEMORY)
+    err = first_failure([(0, PEER_GONE, 100.25), (1, OUT_OF_MEMORY, 100.20)])
+    assert (err.rank, err.message) == (1, OUT_OF_MEMORY)
+
+
+def test_a_worker_that_died_is_reported_before_errors_with_times():
+    from rayhybrid.cluster.group import first_failure
+
+    died = "worker died: The actor died unexpectedly before finishing this task"
+    err = first_failure([(0, PEER_GONE, 100.1), (3, died, None), (5, PEER_GONE, 100.0)])
+    assert (err.rank, err.message) == (3, died)
+
+
+def test_a_rank_failure_keeps_its_time_across_processes():
+    import pickle
+
+    from rayhybrid.errors import RankFailed
+
+    copy = pickle.loads(pickle.dumps(RankFailed(OUT_OF_MEMORY, 1795510000.5)))
+    assert (str(copy), copy.at) == (OUT_OF_MEMORY, 1795510000.5)

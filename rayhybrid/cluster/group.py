@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -395,8 +396,8 @@ class WorkerGroup:
         self.replicas, self.active, self.groups, self._inflight = {}, [], [], []
 
     def _get(self, refs: list, timeout_s: float | None = None, what: str = "call") -> list:
-        """`ray.get` that fails fast, naming the first rank whose call failed, or the first
-        rank still busy when no rank has finished for `timeout_s`."""
+        """`ray.get` that fails fast, naming the rank that failed first (`first_failure`), or the
+        first rank still busy when no rank has finished for `timeout_s`."""
         self._inflight, self._hung = refs, False
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
@@ -411,11 +412,41 @@ class WorkerGroup:
             for ref in ready:
                 try:
                     ray.get(ref)
-                except RayTaskError as err:
-                    raise WorkerError(rank_of[ref], _summary(err)) from None
-                except RayActorError as err:
-                    raise WorkerError(rank_of[ref], f"worker died: {_summary(err)}") from None
+                except (RayTaskError, RayActorError):
+                    raise first_failure(_failures(refs)) from None
         return ray.get(refs)
+
+
+FAILURE_GRACE_S = 1.0
+"""Once a rank's call has failed, how long to wait for the other ranks' outcomes before naming
+the first failure (its peers fail within a fraction of a second, when it leaves the group)."""
+
+
+def _failures(refs: list) -> list[tuple[int, str, float | None]]:
+    """(rank, one-line error, when it happened; None for a worker that died) of every call in
+    `refs` (in rank order) that failed, waiting up to FAILURE_GRACE_S for those still running."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=FAILURE_GRACE_S)
+    out = []
+    for rank, ref in enumerate(refs):
+        if ref not in done:
+            continue
+        try:
+            ray.get(ref)
+        except RayTaskError as err:
+            out.append((rank, _summary(err), getattr(err.cause, "at", None) or math.inf))
+        except RayActorError as err:
+            out.append((rank, f"worker died: {_summary(err)}", None))
+    return out
+
+
+def first_failure(failures: list[tuple[int, str, float | None]]) -> WorkerError:
+    """The failure to report, of (rank, error, time) in rank order: a worker that died (its
+    peers' errors are consequences: broken connections), else the error that happened first
+    (an out-of-memory error, not the peer's "Connection closed by peer" after it), else the
+    lowest rank."""
+    died = [f for f in failures if f[2] is None]
+    rank, message, _ = died[0] if died else min(failures, key=lambda f: (f[2], f[0]))
+    return WorkerError(rank, message)
 
 
 def not_placed_again(count: int, wait_s: float) -> str:

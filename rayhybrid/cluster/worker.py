@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -160,12 +161,13 @@ class TrainWorker:
         try:
             return fn(*args)
         except Exception as err:  # noqa: BLE001 - any failure breaks the group the same way
+            at = time.time()
             err = _out_of_memory(err) or err
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
             message = f"{type(err).__name__}: {lines[0] if lines else ''}"
         # Outside the handler, so the traceback's frames (and the trainer they hold) are gone.
         self.reset()
-        raise RankFailed(message)
+        raise RankFailed(message, at)
 
     def reset(self) -> None:
         """Drop the trainer and the process groups; idempotent. A group's connections close
