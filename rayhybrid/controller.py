@@ -123,6 +123,7 @@ class Controller:
         self.storage_seen: set[str] = set()  # nodes that passed the storage check
         self.saving = False  # a save was started whose outcome the driver has not had yet
         self.committed_step: int | None = None  # the newest checkpoint committed in this run
+        self.started_at: int | None = None  # the step of the run's first restore (0: from scratch)
         self.evacuated: set[str] = set()  # nodes the run moved off after a preemption notice
         self.next_drain_poll = 0.0
         self.summary = RunSummary(
@@ -402,6 +403,26 @@ class Controller:
             c["blocked_s"] = round(c["blocked_s"] + blocked, 3)
             c["upload_s"] = round(c["upload_s"] + upload, 3)
 
+    def _unreported_commit(self, ckpt: checkpoint_store.Checkpoint | None) -> None:
+        """Record a checkpoint that this run committed but whose report the driver never had:
+        an asynchronous save's commit is reported with the next step's results, which a failure
+        can take with it. Restoring it is right (it is committed); recording it keeps
+        metrics.jsonl and the summary true to what was saved. Its timings are not known."""
+        step = ckpt.step if ckpt is not None else 0
+        if self.started_at is None:  # the run's first restore: what it found, not what it saved
+            self.started_at = step
+            return
+        if step <= max(self.committed_step or 0, self.started_at):
+            return
+        path = redact_url(str(ckpt.path))
+        log.info("checkpoint step %d committed: %s (its report was lost with the failure)", step, path)
+        self.log.event(
+            {"event": "checkpoint", "step": step, "path": path, "blocked_s": None, "upload_s": None}
+            | {"async": self.cfg.checkpoint.async_save}
+        )
+        self.summary.last_checkpoint, self.committed_step = path, step
+        self.summary.checkpoints["saved"] += 1
+
     def _preemption_notice(self) -> dict[str, float]:
         """Nodes of the replicas in use that Ray is draining (a spot node's preemption notice,
         an autoscaler scaling in): node id -> seconds left to the deadline (inf: none given).
@@ -522,6 +543,7 @@ class Controller:
         """Load the latest checkpoint into the group (if any) and describe the group in the
         summary; returns the step restored."""
         group, ckpt, step = self.group, checkpoint_store.latest(self.store), 0
+        self._unreported_commit(ckpt)
         if ckpt is not None:
             mark = time.perf_counter()
             step = group.load(str(ckpt.path), ckpt.meta)

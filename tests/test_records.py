@@ -312,3 +312,40 @@ def test_write_json(runlog, tmp_path):
 def test_mean_throughput(steps, expected):
     history = [{"tokens_per_s": tps, "step_time_s": t} for tps, t in steps]
     assert mean_throughput(history) == expected
+
+
+def test_a_commit_whose_report_was_lost_is_recorded_when_it_is_restored(tmp_path):
+    """An asynchronous save's commit reaches the driver with the next step's results; a failure
+    in that step takes the report with it. Recovery restores that committed checkpoint, and the
+    driver records it then, so every checkpoint resumed from was recorded as saved."""
+    from rayhybrid.checkpoint_store import Checkpoint
+    from rayhybrid.config.compose import load_config
+    from rayhybrid.controller import Controller
+
+    cfg = dataclasses.replace(load_config(), run_dir=str(tmp_path))
+
+    def found(step: int) -> Checkpoint:
+        return Checkpoint(str(tmp_path / "checkpoints" / f"step_{step:08d}"), {"step": step})
+
+    def controller() -> Controller:
+        c = Controller(cfg)
+        c.log, c.summary, c.committed_step, c.started_at = RunLog(cfg), summary(), None, None
+        return c
+
+    resumed = controller()
+    resumed._unreported_commit(found(4))  # the run's first restore: a checkpoint it found, not saved
+    resumed.committed_step = 8  # the driver had step 8's report
+    resumed._unreported_commit(found(8))  # restoring it after a failure: nothing new
+    resumed._unreported_commit(found(10))  # committed, its report lost with the failure
+    assert resumed.committed_step == 10 and resumed.summary.checkpoints["saved"] == 1
+    assert resumed.summary.last_checkpoint == found(10).path
+    fresh = controller()
+    fresh._unreported_commit(None)  # from scratch
+    fresh._unreported_commit(found(2))
+    assert fresh.committed_step == 2 and fresh.summary.checkpoints["saved"] == 1
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"], e["path"]) for e in events] == [
+        ("checkpoint", 10, found(10).path),
+        ("checkpoint", 2, found(2).path),
+    ]
+    assert events[0]["blocked_s"] is None and events[0]["upload_s"] is None  # not known
