@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rayhybrid.config.schema import Config
-from rayhybrid.models.gpt.counts import flops_per_token
+from rayhybrid.models.registry import get_spec
 
 if TYPE_CHECKING:
     from rayhybrid.records import StepMetrics
@@ -51,7 +51,7 @@ class Observer:
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.cfg = cfg
         self.dir = run_dir
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.flops_per_token = get_spec(cfg.model).flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak: float | None = None
         self.ranks: list[dict] = []
         self.trace: list[dict] = []

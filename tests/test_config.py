@@ -22,7 +22,7 @@ GPT3 = {  # name: (layers, d_model, heads), GPT-3 paper Table 2.1 (13B's 5140 is
 def test_default_is_one_rank_tiny_synthetic():
     cfg = load_config([])
     assert (cfg.topology.dp, cfg.topology.pp, cfg.topology.tp) == (1, 1, 1)
-    assert cfg.model.name == "gpt_tiny" and cfg.data.name == "synthetic"
+    assert (cfg.model.name, cfg.model.flavor) == ("gpt", "gpt_tiny") and cfg.data.name == "synthetic"
 
 
 @pytest.mark.parametrize("name", TOPOLOGIES)

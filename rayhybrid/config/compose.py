@@ -56,7 +56,7 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="base_config", node=node)
 
 
-FREE_FORM = ("checkpoint.storage_options.",)
+FREE_FORM = ("checkpoint.storage_options.", "model.options.", "model.rope_scaling.")
 
 
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:

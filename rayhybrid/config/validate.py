@@ -20,7 +20,7 @@ MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
 def _positive(cfg: Config) -> None:
     sections = {
         "topology": ("dp", "pp", "tp", "stages_per_rank"),
-        "model": ("n_layers", "n_heads", "d_model", "vocab_size", "ffn_mult"),
+        "model": ("n_layers", "vocab_size"),
         "data": ("seq_len", "branching"),
         "train": ("steps", "global_batch_size", "micro_batch_size", "log_every"),
         "cluster": ("cpus_per_rank", "torch_threads", "placement_timeout_s", "connect_timeout_s"),
@@ -64,23 +64,7 @@ def validate(cfg: Config) -> None:
     _choice("data.name", d.name, DATA_KINDS)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
 
-    if m.head_dim < 0:
-        raise ConfigError("model.head_dim", f"must not be negative, got {m.head_dim}; 0 means d_model // n_heads")
-    if m.head_dim == 0 and m.d_model % m.n_heads:
-        raise ConfigError(
-            "model.d_model",
-            f"{m.d_model} is not divisible by model.n_heads={m.n_heads}; pick a multiple or set model.head_dim",
-        )
-    if m.n_heads % t.tp:
-        raise ConfigError(
-            "topology.tp", f"tp={t.tp} does not divide model.n_heads={m.n_heads}; use a tp that divides {m.n_heads}"
-        )
-    if m.vocab_size % t.tp:
-        raise ConfigError(
-            "topology.tp",
-            f"tp={t.tp} does not divide model.vocab_size={m.vocab_size} (vocab-parallel embedding); "
-            "pad the vocabulary to a multiple of tp",
-        )
+    _model(cfg)
 
     virtual = Layout.of(cfg).virtual_stages
     if t.pp > 1 and t.schedule in ("gpipe", "1f1b") and t.stages_per_rank != 1:
@@ -122,6 +106,18 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 "data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob"
             )
+
+
+def _model(cfg: Config) -> None:
+    """The model's own checks (its spec's `validate`), after Hugging Face's config.json has set
+    the shape (`model.init_from`, see rayhybrid/models/hf.py)."""
+    from rayhybrid.models.registry import get_spec
+
+    spec = get_spec(cfg.model)
+    if cfg.model.module and cfg.model.init_from and spec.hf is None:
+        raise ConfigError("model.init_from", f"model.module={cfg.model.module} has no Hugging Face adapter (SPEC.hf)")
+    if spec.validate is not None:
+        spec.validate(cfg)
 
 
 def _batch_split(cfg: Config, dp: int) -> None:

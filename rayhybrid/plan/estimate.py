@@ -15,11 +15,12 @@ module, which imports torch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from rayhybrid.config.schema import Config, ModelConfig
-from rayhybrid.models.gpt.counts import num_params
+from rayhybrid.errors import ConfigError
+from rayhybrid.models.registry import get_spec
+from rayhybrid.models.spec import MemoryModel, ParamTensor
 from rayhybrid.plan.schedule import rank_actions
 from rayhybrid.topology import Layout
 
@@ -40,12 +41,24 @@ def _t(cfg: Config, tp: int | None) -> int:
     return cfg.topology.tp if tp is None else tp
 
 
-def _bf16(cfg: Config, dtype: str | None) -> bool:
-    return (cfg.train.dtype if dtype is None else dtype) == "bfloat16"
+def _dtype(cfg: Config, dtype: str | None) -> str:
+    return cfg.train.dtype if dtype is None else dtype
 
 
 def ffn_dim(model: ModelConfig) -> int:
-    return model.ffn_mult * model.d_model
+    return model.hidden_dim
+
+
+def memory_model(cfg: Config) -> MemoryModel:
+    """The model's memory model (its spec's); a `ConfigError` when it has none."""
+    spec = get_spec(cfg.model)
+    if spec.memory is None:
+        raise ConfigError("model", f"model {spec.name} has no memory model for the planner (ModelSpec.memory)")
+    return spec.memory
+
+
+def has_memory_model(cfg: Config) -> bool:
+    return get_spec(cfg.model).memory is not None
 
 
 def vocab_local(cfg: Config, tp: int | None = None, loss_parallel: bool | None = None) -> int:
@@ -61,40 +74,16 @@ def vocab_local(cfg: Config, tp: int | None = None, loss_parallel: bool | None =
 
 
 def block_bytes(cfg: Config, tp: int | None = None, dtype: str | None = None) -> int:
-    """What autograd keeps for backward per sample in one block, counted from its operators.
-
-    float32: the inputs of the two LayerNorms (2 s d) and their mean and rstd (4 s); their
-    outputs, kept by the linear layers that read them (2 s d; under tp the attention's input is
-    one replicated tensor that q, k and v share); q, k, v (3 s a) and the attention output that
-    `wo` reads (s a); the attention's log-sum-exp (H x s); the MLP's first linear output and its
-    GELU (2 s h). The residual adds keep nothing. Under tp a rank keeps 1/t of q/k/v, the
-    attention output, the log-sum-exp and the MLP hidden state; the LayerNorm inputs and
-    outputs are replicated.
-
-    bfloat16 (autocast): the residual stream, the LayerNorm inputs and statistics and the
-    log-sum-exp stay float32; each linear keeps its own bfloat16 copy of its input (q, k, v
-    and w1 each cast the LayerNorm output: 4 s d x 2 bytes); q, k, v, the attention output and
-    the MLP hidden states are bfloat16.
-    """
-    m, s, t = cfg.model, cfg.data.seq_len, _t(cfg, tp)
-    d, a, h, heads = m.d_model, m.attn_dim, ffn_dim(m), m.n_heads
-    sharded = _ceil(4 * s * a + 2 * s * h, t)
-    if _bf16(cfg, dtype):
-        return FLOAT * (2 * s * d + 4 * s + _ceil(heads, t) * s) + BF16 * (4 * s * d + sharded)
-    return FLOAT * (s * (4 * d + 4) + sharded + _ceil(heads, t) * s)
+    """What autograd keeps for backward per sample in one block (the model's memory model;
+    the GPT's is counted in rayhybrid/models/gpt/memory.py)."""
+    return memory_model(cfg).block_bytes(cfg, _t(cfg, tp), _dtype(cfg, dtype))
 
 
 def head_bytes(cfg: Config, tp: int | None = None, dtype: str | None = None, loss_parallel: bool | None = None) -> int:
-    """Per sample after the blocks: the final LayerNorm's input and output (2 s d) and stats
-    (2 s); the log-softmax of the logits (s V, float32 whatever the dtype: the loss casts the
-    logits; s V / t with loss parallelism); the targets, flattened into a copy (s int64: they
-    are a strided slice of the token stream). bfloat16: the LayerNorm output is kept as the
-    output projection's bfloat16 copy."""
-    m, s = cfg.model, cfg.data.seq_len
+    """Per sample after the blocks: the final norm, the log-softmax of the logits (float32), the
+    targets (the model's memory model)."""
     v = vocab_local(cfg, tp, loss_parallel)
-    if _bf16(cfg, dtype):
-        return FLOAT * (s * m.d_model + 2 * s + s * v) + BF16 * s * m.d_model + INT64 * s
-    return FLOAT * (2 * s * m.d_model + 2 * s + s * v) + INT64 * s
+    return memory_model(cfg).head_bytes(cfg, _t(cfg, tp), _dtype(cfg, dtype), v)
 
 
 def saved_bytes_per_sample(cfg: Config, tp: int | None = None, dtype: str | None = None) -> int:
@@ -116,69 +105,13 @@ def megatron_activation_bytes(model: ModelConfig, seq_len: int, micro_batch: int
 # Parameters
 
 
-@dataclass(frozen=True)
-class ParamTensor:
-    name: str
-    shape: tuple[int, ...]
-    tp_dim: int | None
-    """The dimension tensor parallelism shards (vocab rows of the embeddings and the output,
-    heads / hidden units of the matrices); None: replicated over tp (LayerNorms, positions)."""
-    matmul: bool = False
-    """Read by a linear layer (autocast keeps a bfloat16 copy of it)."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def local_shape(self, tp: int) -> tuple[int, ...]:
-        if self.tp_dim is None or tp == 1:
-            return self.shape
-        shape = list(self.shape)
-        shape[self.tp_dim] = _ceil(shape[self.tp_dim], tp)
-        return tuple(shape)
-
-    def local_numel(self, tp: int, dp_shard: int = 1) -> int:
-        """Elements on one rank: tp shard, then FSDP2's dim-0 shard (padded) over dp."""
-        shape = self.local_shape(tp)
-        if dp_shard > 1:
-            return _ceil(shape[0], dp_shard) * math.prod(shape[1:])
-        return math.prod(shape)
-
-
 def stage_param_tensors(model: ModelConfig, seq_len: int, layers: range, first: bool, last: bool) -> list[ParamTensor]:
-    """The parameters of one pipeline stage, named as in the full model, with the TP plan of
-    rayhybrid/models/gpt/parallelize.py: token embedding RowwiseParallel (vocab rows), q/k/v
-    and w1 ColwiseParallel (output rows), wo and w2 RowwiseParallel (input columns), output
-    ColwiseParallel (vocab rows); LayerNorms and position embeddings are plain replicated
-    tensors."""
-    d, a, h, v = model.d_model, model.attn_dim, ffn_dim(model), model.vocab_size
-    out: list[ParamTensor] = []
-    if first:
-        out += [
-            ParamTensor("tok_embeddings.weight", (v, d), 0),
-            ParamTensor("pos_embeddings.weight", (seq_len, d), None),
-        ]
-    for i in layers:
-        p = f"layers.{i}."
-        out += [
-            ParamTensor(p + "attn_norm.weight", (d,), None),
-            ParamTensor(p + "attn_norm.bias", (d,), None),
-            ParamTensor(p + "attn.wq.weight", (a, d), 0, True),
-            ParamTensor(p + "attn.wk.weight", (a, d), 0, True),
-            ParamTensor(p + "attn.wv.weight", (a, d), 0, True),
-            ParamTensor(p + "attn.wo.weight", (d, a), 1, True),
-            ParamTensor(p + "mlp_norm.weight", (d,), None),
-            ParamTensor(p + "mlp_norm.bias", (d,), None),
-            ParamTensor(p + "mlp.w1.weight", (h, d), 0, True),
-            ParamTensor(p + "mlp.w2.weight", (d, h), 1, True),
-        ]
-    if last:
-        out += [
-            ParamTensor("norm.weight", (d,), None),
-            ParamTensor("norm.bias", (d,), None),
-            ParamTensor("output.weight", (v, d), 0, True),
-        ]
-    return out
+    """The parameters of one pipeline stage, named as in the full model, with the model's TP
+    plan (its memory model's `param_tensors`)."""
+    spec = get_spec(model)
+    if spec.memory is None:
+        return []
+    return spec.memory.param_tensors(model, seq_len, layers, first, last)
 
 
 @dataclass(frozen=True)
@@ -223,16 +156,16 @@ def owned_stages(cfg: Config, pp_rank: int) -> list[int]:
 # FLOPs, bubble
 
 
+def num_params(model_cfg: ModelConfig, seq_len: int) -> int:
+    """The whole model's parameter count (its spec's)."""
+    return get_spec(model_cfg).num_params(model_cfg, seq_len)
+
+
 def model_flops_per_token(model_cfg: ModelConfig, seq_len: int, attention: bool = True) -> float:
-    """Training FLOPs per token (forward + backward, no recomputation): 6N for the weights
-    (Kaplan et al. 2020) plus, with `attention`, 12 x n_layers x seq_len x attn_dim for the
-    attention scores and their weighted sum (2 matmuls of s x a per token, x 3 for backward, x 2
-    FLOPs per multiply-add). N = num_params(model_cfg, seq_len), embeddings included."""
-    n = num_params(model_cfg, seq_len)
-    flops = 6 * n
-    if attention:
-        flops += 12 * model_cfg.n_layers * seq_len * model_cfg.attn_dim
-    return float(flops)
+    """Training FLOPs per token, forward + backward, no recomputation (its spec's; for the
+    built-in models 6N for the weights, Kaplan et al. 2020, plus, with `attention`, 12 x n_layers
+    x seq_len x attn_dim for the attention scores and their weighted sum)."""
+    return float(get_spec(model_cfg).flops_per_token(model_cfg, seq_len, attention=attention))
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> tuple[float, str]:
@@ -379,7 +312,8 @@ def _stage_cost(cfg: Config, stage: Stage, remote_prev: bool, remote_next: bool)
     # it replicated under tp), a block's w2 (d x h) while the MLP hidden state's gradient lives.
     out_tr = bsd + FLOAT * _ceil(m.vocab_size, tp) * d if stage.last else 0
     emb_tr = FLOAT * m.vocab_size * d + bsd if stage.first else 0
-    block_tr = act * b * s * _ceil(ffn_dim(m), tp) + FLOAT * d * _ceil(ffn_dim(m), tp)
+    mem = memory_model(cfg)
+    block_tr = b * mem.block_transient(cfg, tp, tr.dtype) + mem.weight_transient(cfg, tp)
     if tr.activation_checkpointing:
         block_tr += block  # one block's activations, recomputed
         if bf16 and n_layers:
@@ -393,7 +327,7 @@ def _stage_cost(cfg: Config, stage: Stage, remote_prev: bool, remote_next: bool)
         # the outputs of every operator with weights: q, k, v, wo, w1, w2 and both LayerNorms
         # per block; the final LayerNorm and the logits in the head. The first stage has no
         # input gradient to compute: torch runs its whole backward in W.
-        per_block = FLOAT * s * (_ceil(3 * m.attn_dim + ffn_dim(m), tp) + 4 * d)
+        per_block = mem.w_outputs(cfg, tp)
         w_int = b * (n_layers * per_block + (FLOAT * s * (d + v_local) if stage.last else 0))
     grad_extra = 0
     if stage.first and tp > 1:

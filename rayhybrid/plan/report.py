@@ -65,7 +65,7 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
     per_step = per_token * tr.global_batch_size * s
 
     megatron = None
-    if model.name.startswith("gpt3"):
+    if model.name == "gpt" and model.flavor.startswith("gpt3"):
         b = tr.micro_batch_size
         megatron = {
             "source": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit, no recompute); "

@@ -8,6 +8,7 @@ for _ in range(cfg.train.steps):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -18,8 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from rayhybrid.config.schema import Config
-from rayhybrid.models.gpt.model import GPT, num_params
-from rayhybrid.models.gpt.parallelize import parallelize_gpt
+from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
 from rayhybrid.parallel.pipeline import build_schedule
@@ -41,6 +41,7 @@ class Trainer:
         self.topo = self.layout.topology
         self.coord = self.topo.coord(rank)
         self.device = device
+        self.spec = get_spec(cfg.model)
         self.mesh = build_mesh(t.dp, t.pp, t.tp, device)
         # All ranks, for checkpoints: a group of its own rather than the default one, so that
         # leaving it after a failure (see cluster/worker.py) closes its connections too.
@@ -94,6 +95,9 @@ class Trainer:
         return {
             "version": 1,
             "step": self.step,
+            # The whole model config, so a checkpoint alone says what it holds (export needs it).
+            "model": dataclasses.asdict(self.cfg.model),
+            "seq_len": self.cfg.data.seq_len,
             "consumed_samples": self.consumed_samples,
             "global_batch_size": self.cfg.train.global_batch_size,
             "seed": self.cfg.seed,
@@ -146,24 +150,26 @@ class Trainer:
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "stages": {str(i): layers for i, layers in self.stage_layers.items()},
             "local_params": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.params),
-            "model_params": num_params(self.cfg.model, self.cfg.data.seq_len),
+            "model_params": self.spec.num_params(self.cfg.model, self.cfg.data.seq_len),
             "num_microbatches": self.n_microbatches,
             "loss_floor": self.stream.loss_floor,
         }
 
-    def _build_stage(self, index: int, layers: range) -> GPT:
+    def _build_stage(self, index: int, layers: range) -> torch.nn.Module:
+        """One pipeline stage of the model its spec builds (full parameter names), made on the
+        meta device, materialised here, initialised, then parallelised (TP, AC, dp)."""
         cfg = self.cfg
         with torch.device("meta"):
-            stage = GPT(
+            stage = self.spec.build_stage(
                 cfg.model,
-                max_seq_len=cfg.data.seq_len,
+                seq_len=cfg.data.seq_len,
                 layer_ids=layers,
                 first=index == 0,
                 last=index == self.num_stages - 1,
             )
         stage.to_empty(device=self.device)
         stage.init_weights(cfg.seed)
-        return parallelize_gpt(
+        return self.spec.parallelize(
             stage,
             tp_mesh=self.mesh["tp"],
             dp_mesh=self.mesh["dp"],

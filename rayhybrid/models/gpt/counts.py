@@ -8,7 +8,7 @@ from rayhybrid.config.schema import ModelConfig
 
 def num_params(cfg: ModelConfig, max_seq_len: int) -> int:
     """Parameter count of the whole model, computed without building it."""
-    d, h = cfg.d_model, cfg.ffn_mult * cfg.d_model
+    d, h = cfg.d_model, cfg.hidden_dim
     per_layer = 4 * d * cfg.attn_dim + 2 * d * h + 4 * d
     return cfg.vocab_size * d + max_seq_len * d + cfg.n_layers * per_layer + 2 * d + d * cfg.vocab_size
 

@@ -41,7 +41,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        hidden = cfg.ffn_mult * cfg.d_model
+        hidden = cfg.hidden_dim
         self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)
 

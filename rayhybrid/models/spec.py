@@ -1,0 +1,121 @@
+"""What rayhybrid needs to know about a model: a `ModelSpec` (after torchtitan's).
+
+The trainer, the driver, the planner and the tuner never name a model: they ask the spec that
+`rayhybrid.models.registry.get_spec(cfg.model)` returns. A model is one module exposing `SPEC`:
+the built-in ones are `rayhybrid.models.gpt` and `rayhybrid.models.llama3`, and
+`model.module=my_package.my_model` loads one from outside the package (examples/custom_model/).
+
+A spec's module must import without torch (the planner counts parameters and FLOPs without it):
+`build_stage` and `parallelize` import their torch code when called.
+
+Contract of the pieces (docs/models.md says it for users):
+
+- `build_stage(model_cfg, *, seq_len, layer_ids, first, last)` returns an `nn.Module`, one
+  pipeline stage, built on whatever device is current (the trainer builds on `meta`). Its
+  parameter names are the full model's (`layers.5.attention.wq.weight` on every stage that holds
+  layer 5), so checkpoints reshard across any layout. It has `init_weights(seed)`, which must
+  give a parameter the same value whichever stage holds it. `forward(tokens)` on the first stage,
+  `forward(hidden)` on the others; the last stage returns logits (batch, seq, vocab).
+- `parallelize(stage, *, tp_mesh, dp_mesh, dp_shard, activation_checkpointing, loss_parallel,
+  reshard_after_forward)` applies tensor parallelism (DTensor plans), activation checkpointing
+  and data parallelism (`rayhybrid.parallel.data_parallel.apply_data_parallel`), in that order,
+  and returns the module. With `loss_parallel` the last stage leaves its logits sharded over the
+  vocabulary (`Shard(-1)`, a DTensor); otherwise they are a plain replicated tensor.
+- `num_params(model_cfg, seq_len)` and `flops_per_token(model_cfg, seq_len, attention=True)`:
+  plain arithmetic.
+- `validate(cfg)`: raise `rayhybrid.errors.ConfigError` naming the setting and the fix.
+- `memory`: the planner's memory model (`MemoryModel`), or None (the plan then reports no
+  memory figures for the model).
+- `hf`: the Hugging Face adapter (`rayhybrid.models.hf.HFAdapter`) or None.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+def ceil_div(x: int, n: int) -> int:
+    return -(-x // n)
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter as the planner sees it: its full name, shape and tensor-parallel split."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    """The dimension tensor parallelism shards (vocab rows of the embeddings and the output,
+    heads / hidden units of the matrices); None: replicated over tp (norms, positions)."""
+    matmul: bool = False
+    """Read by a linear layer (autocast keeps a bfloat16 copy of it)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        if self.tp_dim is None or tp == 1:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp_dim] = ceil_div(shape[self.tp_dim], tp)
+        return tuple(shape)
+
+    def local_numel(self, tp: int, dp_shard: int = 1) -> int:
+        """Elements on one rank: tp shard, then FSDP2's dim-0 shard (padded) over dp."""
+        shape = self.local_shape(tp)
+        if dp_shard > 1:
+            return ceil_div(shape[0], dp_shard) * math.prod(shape[1:])
+        return math.prod(shape)
+
+
+class MemoryModel(Protocol):
+    """The model-specific part of the planner's memory estimate (rayhybrid/plan/estimate.py owns
+    the rest: optimizer state, pipeline buffers, FSDP2 and the schedules). Byte counts are the
+    bytes of live tensor storages, as the trainer's meter counts them (`metrics.memory=true`).
+    `cfg` is the whole `Config`; `tp` and `dtype` override the topology's and the train's."""
+
+    def param_tensors(self, model: Any, seq_len: int, layers: range, first: bool, last: bool) -> list[ParamTensor]:
+        """A stage's parameters, full names, with the model's TP plan."""
+        ...
+
+    def block_bytes(self, cfg: Any, tp: int, dtype: str) -> int:
+        """What autograd saves for backward, per sample, in one block."""
+        ...
+
+    def head_bytes(self, cfg: Any, tp: int, dtype: str, vocab_local: int) -> int:
+        """Saved per sample after the blocks (final norm, logits' log-softmax, targets);
+        `vocab_local`: the logit columns a rank holds."""
+        ...
+
+    def block_transient(self, cfg: Any, tp: int, dtype: str) -> int:
+        """Per sample: the largest short-lived tensors of one block's backward (the MLP hidden
+        state's gradient and the weight gradient made whole before it is accumulated),
+        excluding the weight gradient, which `weight_transient` gives."""
+        ...
+
+    def weight_transient(self, cfg: Any, tp: int) -> int:
+        """Bytes of the largest weight gradient a block makes whole before accumulating it."""
+        ...
+
+    def w_outputs(self, cfg: Any, tp: int) -> int:
+        """Bytes per sample and block of the gradients of the outputs of every operator with
+        weights, which a zero-bubble schedule keeps from its input backward to its weight
+        backward (float32, local to a tp rank)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build_stage: Callable[..., Any]
+    parallelize: Callable[..., Any]
+    num_params: Callable[[Any, int], int]
+    flops_per_token: Callable[..., float]
+    validate: Callable[[Any], None] | None = None
+    memory: MemoryModel | None = None
+    hf: Any = None
+    description: str = ""
