@@ -1,0 +1,71 @@
+"""Llama 3 (and 3.1, 3.2): RMSNorm, rotate-half rotary embeddings with Llama 3.1's frequency
+scaling, grouped-query attention, a SwiGLU MLP, an output tied to the embedding or not.
+
+`SPEC` is what rayhybrid knows of it (rayhybrid/models/spec.py); `hf` maps its checkpoints to
+and from Hugging Face's LlamaForCausalLM. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from rayhybrid.errors import ConfigError
+from rayhybrid.models.llama3.counts import flops_per_token, num_params
+from rayhybrid.models.llama3.hf import HF
+from rayhybrid.models.llama3.memory import MEMORY
+from rayhybrid.models.spec import ModelSpec
+
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def build_stage(model, *, seq_len: int, layer_ids, first: bool, last: bool):
+    from rayhybrid.models.llama3.model import Llama
+
+    return Llama(model, layer_ids=layer_ids, first=first, last=last)
+
+
+def parallelize(stage, **kwargs):
+    from rayhybrid.models.llama3.parallelize import parallelize_llama
+
+    return parallelize_llama(stage, **kwargs)
+
+
+def validate(cfg) -> None:
+    from rayhybrid.models.common import validate_attention
+
+    m = cfg.model
+    validate_attention(cfg, kv_heads=True)
+    if m.head_width % 2:
+        raise ConfigError("model.head_dim", f"rotary embeddings need an even head width, got {m.head_width}")
+    if m.rope_theta <= 0:
+        raise ConfigError("model.rope_theta", f"must be positive, got {m.rope_theta}")
+    if m.norm_eps <= 0:
+        raise ConfigError("model.norm_eps", f"must be positive, got {m.norm_eps}")
+    if m.rope_scaling:
+        unknown = sorted(set(m.rope_scaling) - set(ROPE_SCALING_KEYS) - {"rope_type"})
+        if unknown or "factor" not in m.rope_scaling:
+            raise ConfigError(
+                "model.rope_scaling",
+                f"Llama 3.1 scaling takes {', '.join(ROPE_SCALING_KEYS)} (factor required); got {dict(m.rope_scaling)}",
+            )
+        if m.rope_scaling.get("rope_type", "llama3") != "llama3":
+            raise ConfigError(
+                "model.rope_scaling", f"rope_type {m.rope_scaling['rope_type']!r} is not supported; only llama3"
+            )
+    if m.tie_embeddings and cfg.topology.pp > 1:
+        raise ConfigError(
+            "model.tie_embeddings",
+            "a tied output needs the token embedding on the same pipeline stage; with topology.pp>1 "
+            "set model.tie_embeddings=false (an untied copy) or use topology.pp=1",
+        )
+
+
+SPEC = ModelSpec(
+    name="llama3",
+    build_stage=build_stage,
+    parallelize=parallelize,
+    num_params=num_params,
+    flops_per_token=flops_per_token,
+    validate=validate,
+    memory=MEMORY,
+    hf=HF,
+    description="Llama 3: RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU",
+)

@@ -1,0 +1,166 @@
+"""The Llama 3 decoder, one pipeline stage at a time, with the full model's parameter names.
+
+RMSNorm, rotary embeddings in Hugging Face's layout (rotate-half: the two halves of each head
+rotate together, so Hugging Face checkpoints load without permuting q and k), grouped-query
+attention (n_kv_heads key/value heads, each shared by n_heads / n_kv_heads query heads), a
+SwiGLU MLP (w2(silu(w1 x) * w3 x)) and an output projection, tied to the token embedding or
+not. Names follow torchtitan (`layers.3.attention.wq.weight`, `layers.3.feed_forward.w1.weight`);
+rayhybrid/models/llama3/hf.py maps them to Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayhybrid.config.schema import ModelConfig
+from rayhybrid.models.gpt.model import _name_seed
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies, float32, as Hugging Face computes them (default, or Llama
+    3.1's `rope_type: llama3` scaling of the low frequencies)."""
+    dim = cfg.head_width
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old = float(scaling.get("original_max_position_embeddings", 8192))
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope(seq_len: int, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (seq, head_dim), for positions 0..seq_len-1 (computed in float32)."""
+    inv = inverse_frequencies(cfg).to(device)
+    freqs = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.cfg = cfg
+        self.head_dim = cfg.head_width
+        self.wq = nn.Linear(d, cfg.attn_dim, bias=False)
+        self.wk = nn.Linear(d, cfg.kv_dim, bias=False)
+        self.wv = nn.Linear(d, cfg.kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.attn_dim, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp and n_kv_heads / tp.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope(seq, self.cfg, x.device, q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # gate
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)  # down
+        self.w3 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def RMSNorm(dim: int, eps: float) -> nn.RMSNorm:
+    """torch's RMSNorm (one fused kernel: it keeps only its input and 1/rms for backward).
+    Hugging Face's LlamaRMSNorm computes the same in float32, the residual stream's dtype here
+    under bfloat16 autocast too."""
+    return nn.RMSNorm(dim, eps=eps)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.checkpoint_activations = False
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class Llama(nn.Module):
+    """The whole decoder (defaults) or one pipeline stage of it."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        layer_ids: Iterable[int] | None = None,
+        first: bool = True,
+        last: bool = True,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in ids})
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps) if last else None
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if last else None
+        if cfg.tie_embeddings and first and last:
+            self.tie()
+
+    def tie(self) -> None:
+        """The output projection reads the token embedding's weight (one parameter, Llama 3.2
+        1B and 3B); called again after tensor parallelism has replaced the parameters."""
+        self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.output is not None:
+            x = self.output(self.norm(x))
+        return x
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Every parameter from a generator seeded by (seed, its full name), so every topology
+        starts from the same model: normal(0, 0.02) matrices and embeddings, the residual output
+        projections (wo, w2) scaled by 1/sqrt(2 x n_layers), norms at one."""
+        std = 0.02
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator().manual_seed(_name_seed(seed, name))
+            scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * scale
+            param.copy_(values.to(param.device, param.dtype))

@@ -1,0 +1,78 @@
+"""Tensor parallelism, activation checkpointing and data parallelism for a Llama stage.
+
+The DTensor plan is torchtitan's Llama plan without sequence parallelism (norms replicated),
+the same split as rayhybrid's GPT: q/k/v (heads and KV heads per rank) and the MLP's w1 and w3
+column-wise, wo and w2 row-wise (one all-reduce each), the token embedding vocab-parallel, the
+output vocab-parallel (logits left sharded into the loss with `loss_parallel`).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from rayhybrid.models.llama3.model import Llama
+from rayhybrid.parallel.data_parallel import apply_data_parallel
+
+
+def tp_plan(model: Llama, *, loss_parallel: bool) -> dict[str, object]:
+    plan: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+    for name in model.layers:
+        p = f"layers.{name}."
+        # One replicated input DTensor per sub-layer, shared by q/k/v (and by w1/w3), so their
+        # input gradients add up locally and cost one all-reduce in backward.
+        replicated = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+        plan[p + "attention"] = replicated
+        plan[p + "attention.wq"] = ColwiseParallel()
+        plan[p + "attention.wk"] = ColwiseParallel()
+        plan[p + "attention.wv"] = ColwiseParallel()
+        plan[p + "attention.wo"] = RowwiseParallel()
+        plan[p + "feed_forward"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+        )
+        plan[p + "feed_forward.w1"] = ColwiseParallel()
+        plan[p + "feed_forward.w3"] = ColwiseParallel()
+        plan[p + "feed_forward.w2"] = RowwiseParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
+        )
+    return plan
+
+
+def parallelize_llama(
+    model: Llama,
+    *,
+    tp_mesh: DeviceMesh | None,
+    dp_mesh: DeviceMesh | None,
+    dp_shard: bool,
+    activation_checkpointing: bool,
+    loss_parallel: bool,
+    reshard_after_forward: bool = True,
+) -> Llama:
+    tied = model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        parallelize_module(model, tp_mesh, tp_plan(model, loss_parallel=loss_parallel))
+        if tied:
+            # Both are Shard(0) over the vocabulary rows: one DTensor serves both again.
+            model.tie()
+    if activation_checkpointing:
+        for block in model.layers.values():
+            block.checkpoint_activations = True
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        apply_data_parallel(
+            model,
+            dp_mesh,
+            shard=dp_shard,
+            blocks=list(model.layers.values()),
+            reshard_after_forward=reshard_after_forward,
+        )
+    return model
