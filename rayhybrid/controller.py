@@ -185,6 +185,7 @@ class Controller:
         """Place the replicas, start the workers on them and restore the latest checkpoint. A
         start that fails leaves nothing behind."""
         if self.shape is None:
+            check_same_model(checkpoint_store.latest(self.store), self.cfg)
             self.shape = resolve_shape(self.cfg)
             check_capacity(self.shape, self.scaling.min_dp)
             self._announce()
@@ -675,3 +676,28 @@ def open_store(url: str, options: dict) -> Store:
         raise ConfigError(
             "checkpoint.dir", f"{redact_url(url)}: {err}; install the store's fsspec package (e.g. s3fs, gcsfs)"
         ) from None
+
+
+IGNORED_MODEL_FIELDS = ("flavor", "init_from")
+"""Settings that do not change what a checkpoint holds: a run resumed from its own checkpoint
+may drop init_from (the checkpoint has the weights now) or come from another preset name."""
+
+
+def check_same_model(ckpt: checkpoint_store.Checkpoint | None, cfg: Config) -> None:
+    """A checkpoint.dir whose latest checkpoint holds another model cannot be resumed: one line
+    naming the settings that differ (exit 2), not DCP's error about missing keys from a worker."""
+    recorded = (ckpt.meta if ckpt is not None else {}).get("model")
+    if not recorded:
+        return  # no checkpoint, or one written before checkpoints recorded the model
+    now = dataclasses.asdict(cfg.model)
+    differ = [
+        f"model.{k}={recorded[k]!r} there, {now[k]!r} here"
+        for k in now
+        if k in recorded and k not in IGNORED_MODEL_FIELDS and recorded[k] != now[k]
+    ]
+    if differ:
+        raise ConfigError(
+            "checkpoint.dir",
+            f"{redact_url(ckpt.path)} holds another model ({'; '.join(differ)}); "
+            "use the same model settings to resume, or a new checkpoint.dir",
+        )

@@ -1,0 +1,65 @@
+"""The model registry and spec: model.name picks a built-in model, nothing outside
+rayhybrid/models names one, checkpoints record the model and refuse another."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from rayhybrid.checkpoint_store import Checkpoint
+from rayhybrid.config.compose import load_config
+from rayhybrid.controller import check_same_model
+from rayhybrid.errors import ConfigError
+from rayhybrid.models.registry import BUILTIN, get_spec
+from rayhybrid.models.spec import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[1] / "rayhybrid"
+
+
+@pytest.mark.parametrize(("preset", "name"), [("gpt_tiny", "gpt"), ("gpt3_xl", "gpt"), ("llama3_debug", "llama3")])
+def test_model_name_picks_the_builtin_spec(preset, name):
+    cfg = load_config([f"model={preset}"])
+    spec = get_spec(cfg.model)
+    assert isinstance(spec, ModelSpec) and spec.name == name and cfg.model.flavor == preset
+
+
+def test_unknown_model_name_is_one_line_listing_the_builtins():
+    with pytest.raises(ConfigError) as err:
+        load_config(["model.name=mamba"])
+    assert err.value.setting == "model.name" and "\n" not in str(err.value)
+    assert all(name in str(err.value) for name in BUILTIN)
+
+
+def test_nothing_outside_the_models_names_a_model():
+    """The trainer, driver, planner and tuner reach a model only through its spec."""
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("models/"):
+            continue
+        text = path.read_text()
+        if re.search(r"rayhybrid\.models\.(gpt|llama3)\b|\b(GPT|Llama)\(", text):
+            offenders.append(rel)
+    assert offenders == []
+
+
+def _ckpt(model: dict) -> Checkpoint:
+    return Checkpoint("/ckpt/step_00000010", {"step": 10, "model": model})
+
+
+def test_resuming_another_model_is_a_config_error():
+    cfg = load_config(["model=llama3_debug"])
+    recorded = dataclasses.asdict(cfg.model)
+    check_same_model(_ckpt(recorded), cfg)  # the same model: fine
+    check_same_model(_ckpt({**recorded, "flavor": "x", "init_from": "/hf"}), cfg)  # names only: fine
+    check_same_model(None, cfg)
+    check_same_model(Checkpoint("/old/step_1", {"step": 1}), cfg)  # written before models were recorded
+    with pytest.raises(ConfigError) as err:
+        check_same_model(_ckpt({**recorded, "n_kv_heads": 4}), cfg)
+    assert err.value.setting == "checkpoint.dir" and "model.n_kv_heads=4 there, 2 here" in str(err.value)
+    gpt = dataclasses.asdict(load_config([]).model)
+    with pytest.raises(ConfigError, match="model.name='gpt' there, 'llama3' here"):
+        check_same_model(_ckpt(gpt), cfg)
