@@ -47,7 +47,7 @@ def task(node) -> None:
 
     with exit_codes("rayhybrid"):
         hydra = HydraConfig.get()
-        cfg = dataclasses.replace(to_config(node), run_dir=hydra.runtime.output_dir)
+        cfg = dataclasses.replace(to_config(node, list(hydra.overrides.task)), run_dir=hydra.runtime.output_dir)
         if hydra.output_subdir:
             scrub_run_files(Path(cfg.run_dir) / hydra.output_subdir, cfg)
         validate(cfg)

@@ -63,3 +63,20 @@ def test_resuming_another_model_is_a_config_error():
     gpt = dataclasses.asdict(load_config([]).model)
     with pytest.raises(ConfigError, match="model.name='gpt' there, 'llama3' here"):
         check_same_model(_ckpt(gpt), cfg)
+
+
+def test_hf_config_keys_left_out_mean_transformers_defaults():
+    """A config.json without rms_norm_eps / rope_theta / num_key_value_heads / tie_word_embeddings
+    means LlamaConfig's defaults, not the preset's (llama3_debug has eps 1e-5, theta 5e5, 2 KV heads)."""
+    from rayhybrid.models.llama3.hf import HF
+
+    shape = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96}
+    fields = HF.config_from_hf({**shape, "vocab_size": 256})
+    assert (fields["norm_eps"], fields["rope_theta"], fields["n_kv_heads"], fields["tie_embeddings"]) == (
+        1e-6,
+        10000.0,
+        4,
+        False,
+    )
+    given = HF.config_from_hf({**shape, "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 5e5}})
+    assert (given["norm_eps"], given["rope_theta"], given["vocab_size"]) == (1e-5, 5e5, 32000)

@@ -97,11 +97,15 @@ def composition_error(err: Exception) -> ConfigError:
     return ConfigError("overrides", " ".join(dict.fromkeys(lines)))
 
 
-def to_config(cfg: DictConfig) -> Config:
-    """Composed OmegaConf node (with or without the `hydra` key) -> frozen `Config`."""
+def to_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Config:
+    """Composed OmegaConf node (with or without the `hydra` key) -> frozen `Config`, with the
+    shape of `model.init_from`'s Hugging Face config.json (rayhybrid/models/hf.py). `overrides`:
+    the command line's (default: the node's `hydra.overrides.task`), which must not contradict it."""
     cfg = cfg.copy()
     with_hydra = "hydra" in cfg
     if with_hydra:
+        if overrides is None:
+            overrides = list(OmegaConf.select(cfg, "hydra.overrides.task", default=None) or [])
         OmegaConf.set_struct(cfg, False)
         cfg.pop("hydra")
     try:
@@ -112,7 +116,9 @@ def to_config(cfg: DictConfig) -> Config:
     except OmegaConfBaseException as err:
         raise ConfigError(getattr(err, "full_key", "") or "config", str(err).splitlines()[0]) from None
     assert isinstance(obj, Config)
-    return obj
+    from rayhybrid.models.hf import resolve_init_from
+
+    return resolve_init_from(obj, overrides or ())
 
 
 def compose(overrides: Sequence[str] = (), *, return_hydra_config: bool = False) -> DictConfig:
@@ -135,7 +141,7 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
     """Compose and validate (static checks only; cluster capacity is checked on connect)."""
     from rayhybrid.config.validate import validate
 
-    cfg = to_config(compose(overrides))
+    cfg = to_config(compose(overrides), overrides)
     validate(cfg)
     return cfg
 

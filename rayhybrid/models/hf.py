@@ -9,6 +9,38 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Sequence
+from typing import ClassVar
+
+from rayhybrid.errors import ConfigError
+
+CONFIG_JSON = "config.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+CONFIG_KEYS = {
+    "n_layers": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "max_positions": "max_position_embeddings",
+    "head_dim": "head_dim",
+    "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
+}
+"""ModelConfig field -> the usual config.json key of Hugging Face's decoder models (for messages)."""
+
+_EFFECTIVE = {"head_dim": "head_width", "n_kv_heads": "kv_heads", "ffn_dim": "hidden_dim"}
+"""Fields whose 0 means a default: two values agree when the width they give agrees."""
+
 
 class HFAdapter:
     """Names and config fields of one model family, to and from Hugging Face's."""
@@ -31,3 +63,174 @@ class HFAdapter:
     def config_to_hf(self, model, seq_len: int) -> dict:
         """config.json for `model` (a ModelConfig)."""
         raise NotImplementedError
+
+    tied_fallback: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
+    """Hugging Face name -> the tensor a tied checkpoint, which lacks it, shares it with: an
+    untied run (`model.tie_embeddings=false` over config.json's true) starts it as a copy."""
+
+    def hf_key(self, field: str) -> str:
+        """The config.json key that sets ModelConfig's `field` (for messages)."""
+        return CONFIG_KEYS.get(field, field)
+
+    def accepts(self, hf: dict) -> bool:
+        """Whether config.json (its `architectures`, else its `model_type`) is this adapter's."""
+        architectures = hf.get("architectures") or []
+        if architectures:
+            return any(a in self.architectures for a in architectures)
+        return bool(self.model_type) and hf.get("model_type") == self.model_type
+
+
+def init_dir(path: str) -> str:
+    """`model.init_from` as an absolute local directory holding config.json and safetensors
+    weights; raises ConfigError saying what is missing."""
+    if "://" in path and not path.startswith("file://"):
+        raise ConfigError(
+            "model.init_from",
+            f"{path} is not a local directory; download the checkpoint first "
+            "(e.g. huggingface-cli download <repo> --local-dir <dir>) and give that directory",
+        )
+    directory = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+    if not os.path.isdir(directory):
+        raise ConfigError("model.init_from", f"{directory} is not a directory (a Hugging Face checkpoint's)")
+    if not os.path.isfile(os.path.join(directory, CONFIG_JSON)):
+        raise ConfigError(
+            "model.init_from", f"{directory} has no {CONFIG_JSON}; give the directory save_pretrained wrote"
+        )
+    index = os.path.join(directory, WEIGHTS_INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError("model.init_from", f"{index} is not a safetensors index ({type(err).__name__})") from None
+        missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
+        if missing:
+            raise ConfigError(
+                "model.init_from",
+                f"{directory} lacks {len(missing)} of the {len(shards)} shards {WEIGHTS_INDEX} lists "
+                f"(first: {missing[0]}); an incomplete download?",
+            )
+    elif not os.path.isfile(os.path.join(directory, WEIGHTS)):
+        raise ConfigError(
+            "model.init_from",
+            f"{directory} has no {WEIGHTS} or {WEIGHTS_INDEX}; rayhybrid reads safetensors only "
+            "(save_pretrained writes them by default)",
+        )
+    return directory
+
+
+def read_hf_config(directory: str) -> dict:
+    path = os.path.join(directory, CONFIG_JSON)
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConfigError("model.init_from", f"cannot read {path} ({type(err).__name__}: {err})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError("model.init_from", f"{path} is not a JSON object")
+    return hf
+
+
+def _found(hf: dict) -> str:
+    architectures = hf.get("architectures") or []
+    if architectures:
+        return ", ".join(map(str, architectures))
+    return f"model_type {hf['model_type']!r}" if hf.get("model_type") else "an unnamed architecture"
+
+
+def _builtin_for(hf: dict) -> str | None:
+    """The built-in model whose adapter reads this config.json, if any."""
+    from rayhybrid.models.registry import BUILTIN, get_spec
+
+    for name in BUILTIN:
+        try:
+            spec = get_spec(dataclasses.replace(_empty_model(), name=name))
+        except ConfigError:
+            continue
+        if spec.hf is not None and spec.hf.accepts(hf):
+            return name
+    return None
+
+
+def _empty_model():
+    from rayhybrid.config.schema import ModelConfig
+
+    return ModelConfig()
+
+
+def _hint(hf: dict) -> str:
+    name = _builtin_for(hf)
+    if name is None:
+        return ""
+    return (
+        f"; that is model.name={name}'s: add model.name={name} or model=<a {name} preset> (config.json sets the shape)"
+    )
+
+
+_OVERRIDE = re.compile(r"^[+~]*model\.([A-Za-z_]\w*)(?:\.[^=]*)?=")
+
+
+def overridden_fields(overrides: Sequence[str]) -> set[str]:
+    """ModelConfig fields the command line sets (`model.n_layers=3`, `++model.rope_scaling.factor=8`)."""
+    fields = set()
+    for item in overrides:
+        match = _OVERRIDE.match(str(item))
+        if match:
+            fields.add(match.group(1))
+    return fields
+
+
+def _agree(model, field: str, value) -> bool:
+    mine = getattr(model, field)
+    if mine == value:
+        return True
+    prop = _EFFECTIVE.get(field)
+    if prop is None:
+        return False
+    return getattr(dataclasses.replace(model, **{field: value}), prop) == getattr(model, prop)
+
+
+def resolve_init_from(cfg, overrides: Sequence[str] = ()):
+    """`cfg` (a Config) with the shape that `model.init_from`'s config.json gives; unchanged when
+    init_from is not set. `overrides`: the command line's, whose `model.<field>=` settings must
+    agree with config.json (they would otherwise be dropped silently). Raises ConfigError."""
+    from rayhybrid.models.registry import get_spec
+
+    model = cfg.model
+    if not model.init_from:
+        return cfg
+    directory = init_dir(model.init_from)
+    hf = read_hf_config(directory)
+    adapter = get_spec(model).hf
+    chosen = f"model.module={model.module}" if model.module else f"model.name={model.name}"
+    if adapter is None:
+        raise ConfigError(
+            "model.init_from",
+            f"{chosen} has no Hugging Face adapter, so it cannot start from {directory} ({_found(hf)})" + _hint(hf),
+        )
+    if not adapter.accepts(hf):
+        supported = ", ".join(adapter.architectures) or adapter.model_type
+        raise ConfigError(
+            "model.init_from",
+            f"{directory}/{CONFIG_JSON} is {_found(hf)}; {chosen} reads {supported}" + _hint(hf),
+        )
+    try:
+        fields = adapter.config_from_hf(hf)
+    except ValueError as err:
+        raise ConfigError("model.init_from", f"{directory}/{CONFIG_JSON}: {err}") from None
+    known = {f.name for f in dataclasses.fields(model)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError("model.init_from", f"the adapter of {chosen} sets unknown model fields {unknown}")
+    for field in sorted(overridden_fields(overrides) & set(fields)):
+        if field == "tie_embeddings" and fields[field] and not model.tie_embeddings:
+            fields[field] = False  # untie: the output starts as a copy of the embedding
+            continue
+        if not _agree(model, field, fields[field]):
+            key = adapter.hf_key(field)
+            raise ConfigError(
+                f"model.{field}",
+                f"{getattr(model, field)!r} contradicts config.json's {key}={json.dumps(fields[field])} in "
+                f"{directory}; remove the override",
+            )
+    return dataclasses.replace(cfg, model=dataclasses.replace(model, init_from=directory, **fields))

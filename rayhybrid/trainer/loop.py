@@ -61,6 +61,10 @@ class Trainer:
         ranges = self.layout.stage_layers
         owned = self.layout.stages_of(self.coord.pp)
         self.stages = [(i, self._build_stage(i, ranges[i])) for i in owned]
+        if cfg.model.init_from:  # a Hugging Face checkpoint; a resumed checkpoint loads over it
+            from rayhybrid.trainer.hf_load import load_pretrained
+
+            load_pretrained(self)
         self.has_first = any(i == 0 for i, _ in self.stages)
         self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
         self.params = [p for _, m in self.stages for p in m.parameters()]
@@ -167,7 +171,11 @@ class Trainer:
                 first=index == 0,
                 last=index == self.num_stages - 1,
             )
-        stage.to_empty(device=self.device)
+        tied = _shared_parameters(stage)
+        stage.to_empty(device=self.device)  # a new tensor per name: ties (a shared output) undone
+        for name, source in tied:
+            owner, _, attr = name.rpartition(".")
+            setattr(stage.get_submodule(owner), attr, stage.get_parameter(source))
         stage.init_weights(cfg.seed)
         return self.spec.parallelize(
             stage,
@@ -344,6 +352,18 @@ class Trainer:
             dist.all_reduce(loss, group=dp)
             loss = loss / self.topo.dp
         return float(loss)
+
+
+def _shared_parameters(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """(name, the earlier name of the same parameter) for every parameter held twice (tied)."""
+    first: dict[int, str] = {}
+    tied = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return tied
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,20 @@ _FIELDS = {
 }
 
 
+# transformers' LlamaConfig defaults: what a config.json that leaves a key out means.
+HF_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+}
+
+
 class LlamaHF(HFAdapter):
     architectures = ("LlamaForCausalLM",)
     model_type = "llama"
@@ -68,7 +82,10 @@ class LlamaHF(HFAdapter):
         return None if rest is None else f"layers.{match.group(1)}.{rest}"
 
     def config_from_hf(self, hf: dict) -> dict:
-        """ModelConfig fields from a config.json (transformers 4.x or 5.x layout)."""
+        """ModelConfig fields from a config.json (transformers 4.x or 5.x layout); a key it leaves
+        out means transformers' default, as it would for LlamaForCausalLM."""
+        hf = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+        hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
         out = {field: hf[key] for key, field in _FIELDS.items() if key in hf and hf[key] is not None}
         rope = dict(hf.get("rope_parameters") or {})
         scaling = dict(hf.get("rope_scaling") or {})

@@ -1,0 +1,86 @@
+"""Load a Hugging Face checkpoint (`model.init_from`) into a rank's parallelised stages.
+
+Every rank asks DCP for its own part of each parameter: `get_model_state_dict` gives the stage's
+parameters as they are laid out (DTensors sharded over tp and, with FSDP2, dp), their names are
+mapped to Hugging Face's (`SPEC.hf.to_hf`), and `dcp.load` with `HuggingFaceStorageReader`
+reads only those slices from the safetensors files, whatever the layout. Parameters of other
+pipeline stages are not read at all. The values are then set back into the modules.
+
+The trainer calls it after building the stages, before any step; a run that resumes from a
+rayhybrid checkpoint restores that checkpoint afterwards, over these weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+log = logging.getLogger(__name__)
+
+
+def _tied_to(module, name: str) -> str | None:
+    """The name of the parameter that `name` shares its tensor with (an output tied to the
+    token embedding), if another one comes first in the module; None otherwise."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    target = params.get(name)
+    for other, param in params.items():
+        if other == name:
+            return None
+        if param is target:
+            return other
+    return None
+
+
+def load_pretrained(trainer) -> dict:
+    """Read `trainer.cfg.model.init_from` into every stage of this rank; returns a summary
+    (tensors read, seconds). All ranks of the world call it together (DCP plans collectively)."""
+    from rayhybrid.models.hf import init_dir
+
+    cfg = trainer.cfg
+    adapter = trainer.spec.hf
+    if adapter is None:
+        raise ValueError(f"model {cfg.model.name!r} has no Hugging Face adapter; it cannot load model.init_from")
+    directory = init_dir(cfg.model.init_from)
+    start = time.perf_counter()
+    ours: list[dict] = []
+    request = {}
+    for _, module in trainer.stages:
+        state = get_model_state_dict(module)
+        # A tied output shares the embedding's tensor: read it once, under the embedding's name
+        # (Hugging Face drops lm_head.weight from a tied model's checkpoint).
+        for name in list(state):
+            if _tied_to(module, name) is not None:
+                del state[name]
+        for name, tensor in state.items():
+            hf_name = adapter.to_hf(name)
+            if hf_name in request:
+                raise ValueError(f"two parameters map to Hugging Face's {hf_name}")
+            request[hf_name] = tensor
+        ours.append(state)
+    group = getattr(trainer, "world_group", None)
+    # What the files hold (the same on every rank: every rank makes the same number of loads).
+    stored = set(HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata)
+    copies = {
+        name: source
+        for name, source in adapter.tied_fallback.items()
+        if name not in stored and source in stored and not cfg.model.tie_embeddings
+    }
+    first = {k: v for k, v in request.items() if k not in copies}
+    dcp.load(first, storage_reader=HuggingFaceStorageReader(directory), process_group=group)
+    if copies:
+        # A tied checkpoint trained untied: the output starts as a copy of the embedding.
+        second = {copies[k]: v for k, v in request.items() if k in copies}
+        dcp.load(second, storage_reader=HuggingFaceStorageReader(directory), process_group=group)
+    for (_, module), state in zip(trainer.stages, ours):
+        loaded = {name: request[adapter.to_hf(name)] for name in state}
+        # Not strict: a tied output is set through the embedding it shares its tensor with.
+        set_model_state_dict(module, loaded, options=StateDictOptions(strict=False))
+    elapsed = time.perf_counter() - start
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("loaded %d tensors from %s in %.1f s", len(request), directory, elapsed)
+    return {"tensors": len(request), "seconds": elapsed, "path": directory}
