@@ -530,11 +530,12 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
         # (`consider` counts the kept logits once already; gradients are all there by now.)
 
     # The optimizer step: gradients final, buffers kept, AdamW's temporaries. On CPU torch runs
-    # AdamW tensor by tensor: measured twice the largest tensor plus one MLP matrix. On CUDA the
+    # AdamW tensor by tensor: measured twice the largest tensor plus one MLP matrix (the largest
+    # matrix of a block, whatever the model names it). On CUDA the
     # foreach implementation makes the square roots of all exp_avg_sq at once: about one copy
     # of the parameters.
     sizes = sorted(FLOAT * p.local_numel(t.tp, dp_div) for p in tensors)
-    mlp = max((FLOAT * p.local_numel(t.tp, dp_div) for p in tensors if p.name.endswith("mlp.w1.weight")), default=0)
+    mlp = max((FLOAT * p.local_numel(t.tp, dp_div) for p in tensors if p.name.startswith("layers.")), default=0)
     opt_temp = params if cuda else 2 * sizes[-1] + mlp
     opt_total = params + grads_final + optimizer + recv + kept_logits + opt_temp
     assert best is not None

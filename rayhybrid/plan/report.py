@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rayhybrid.config.schema import Config
+from rayhybrid.models.registry import BUILTIN
 from rayhybrid.plan import estimate as est
 from rayhybrid.topology import Layout, Topology
 
@@ -44,28 +45,31 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
         ranks.append(row)
 
     n_params = est.num_params(model, s)
+    # A model whose spec has no memory model (ModelSpec.memory None, e.g. one loaded with
+    # model.module) lists no parameter tensors: no per-stage counts, memory or communication.
+    modelled = est.has_memory_model(cfg)
     stage_rows = [
         {
             "stage": st.index,
             "layers": [st.layers.start, st.layers.stop - 1],
             "describe": st.describe(),
-            "params": st.params,
-            "params_per_tp_rank": sum(p.local_numel(t.tp) for p in st.tensors),
-            "params_per_rank": sum(p.local_numel(t.tp, shard) for p in st.tensors),
+            "params": st.params if modelled else None,
+            "params_per_tp_rank": sum(p.local_numel(t.tp) for p in st.tensors) if modelled else None,
+            "params_per_rank": sum(p.local_numel(t.tp, shard) for p in st.tensors) if modelled else None,
         }
         for st in all_stages
     ]
     # AdamW's temporaries differ between CPU (for-loop) and CUDA (foreach): GPUs when the
     # cluster has them (or cluster.use_gpu=true).
     cuda = placement["device"] == "GPU" if placement else str(cfg.cluster.use_gpu).lower() == "true"
-    memory = {r: est.rank_memory(cfg, r, cuda=cuda) for r in range(t.pp)}
-    comm = {r: est.communication(cfg, r) for r in range(t.pp)}
+    memory = {r: est.rank_memory(cfg, r, cuda=cuda) for r in range(t.pp)} if modelled else {}
+    comm = {r: est.communication(cfg, r) for r in range(t.pp)} if modelled else {}
     bubble, formula = est.bubble_fraction(t.schedule, t.pp, m, v)
     per_token = est.model_flops_per_token(model, s)
     per_step = per_token * tr.global_batch_size * s
 
     megatron = None
-    if model.name == "gpt" and model.flavor.startswith("gpt3"):
+    if modelled and not model.module and model.name == "gpt" and model.flavor.startswith("gpt3"):
         b = tr.micro_batch_size
         megatron = {
             "source": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit, no recompute); "
@@ -101,11 +105,16 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
             "num_stages": len(all_stages),
             "dp_shard": t.dp_shard,
             "loss_parallel": t.tp > 1 and t.use_loss_parallel(model.vocab_size),
-            "model": model.name,
+            "model": model.module or model.name,
+            "flavor": model.flavor,
             "n_layers": model.n_layers,
             "d_model": model.d_model,
             "n_heads": model.n_heads,
+            "n_kv_heads": model.kv_heads,
+            "head_dim": model.head_width,
             "attn_dim": model.attn_dim,
+            "ffn_dim": model.hidden_dim,
+            "tie_embeddings": model.tie_embeddings,
             "vocab_size": model.vocab_size,
             "seq_len": s,
             "global_batch_size": tr.global_batch_size,
@@ -116,6 +125,12 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
         },
         "ranks": ranks,
         "placement": ({"device": placement["device"]} if placement else None),
+        "not_modelled": None
+        if modelled
+        else (
+            f"memory, communication and per-stage parameters (model {model.module or model.name} "
+            "has no memory model: its ModelSpec.memory is None)"
+        ),
         "parameters": {
             "total": n_params,
             "stages": stage_rows,
@@ -123,18 +138,20 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
                 {
                     "pp_rank": r,
                     "stages": owned[r],
-                    "params_per_rank": sum(stage_rows[i]["params_per_rank"] for i in owned[r]),
+                    "params_per_rank": sum(stage_rows[i]["params_per_rank"] for i in owned[r]) if modelled else None,
                 }
                 for r in range(t.pp)
             ],
         },
-        "memory": {
+        "memory": None
+        if not modelled
+        else {
             "device": "cuda" if cuda else "cpu",
             "per_pp_rank": [memory[r].as_dict() for r in range(t.pp)],
             "per_rank_total_mb": [memory[topo.coord(r).pp].total / MB for r in range(topo.world_size)],
             "max_mb": max(mem.total for mem in memory.values()) / MB,
         },
-        "communication": {"per_pp_rank": [{"pp_rank": r, **comm[r]} for r in range(t.pp)]},
+        "communication": {"per_pp_rank": [{"pp_rank": r, **comm[r]} for r in range(t.pp)]} if modelled else None,
         "bubble": {
             "fraction": bubble,
             "formula": formula,
@@ -194,9 +211,14 @@ def format_text(plan: dict) -> str:
         f"rayhybrid plan: dp={c['dp']} x pp={c['pp']} x tp={c['tp']} = {c['world_size']} ranks{sched}"
         f"{', FSDP2' if c['dp_shard'] and c['dp'] > 1 else ''}"
     )
+    shape = f"{c['n_layers']} layers, d {c['d_model']}, {c['n_heads']} heads"
+    if c["model"] in BUILTIN:  # a model.module's may ignore these settings
+        if c["n_kv_heads"] != c["n_heads"]:
+            shape += f" sharing {c['n_kv_heads']} key/value heads"
+        shape += f", ffn {c['ffn_dim']}" + (", tied output" if c["tie_embeddings"] else "")
+    flavor = f" {c['flavor']}" if c["flavor"] and c["flavor"] != c["model"] else ""
     out.append(
-        f"model {c['model']} ({c['n_layers']} layers, d {c['d_model']}, {c['n_heads']} heads, "
-        f"vocab {c['vocab_size']}), "
+        f"model {c['model']}{flavor} ({shape}, vocab {c['vocab_size']}), "
         f"seq {c['seq_len']}, global batch {c['global_batch_size']} = dp {c['dp']} x {c['num_microbatches']} "
         f"micro-batches x {c['micro_batch_size']}, {c['dtype']}"
         + (", activation checkpointing" if c["activation_checkpointing"] else "")
@@ -223,14 +245,52 @@ def format_text(plan: dict) -> str:
         [
             s["stage"],
             s["describe"].split(": ", 1)[1],
-            f"{s['params']:,}",
-            f"{s['params_per_tp_rank']:,}",
-            f"{s['params_per_rank']:,}",
+            *("-" if s[k] is None else f"{s[k]:,}" for k in ("params", "params_per_tp_rank", "params_per_rank")),
         ]
         for s in p["stages"]
     ]
     out += ["  " + line for line in _table(header, rows, left=(1,))]
 
+    if plan["not_modelled"]:
+        out += ["", f"Not modelled: {plan['not_modelled']}"]
+    else:
+        out += _memory_and_communication(plan)
+
+    b = plan["bubble"]
+    out += ["", f"Pipeline bubble: {b['fraction']:.1%}  [{b['formula']}; m={b['num_microbatches']}]"]
+
+    f = plan["flops"]
+    out += [
+        "",
+        (
+            f"FLOPs: {f['per_token']:.4g} per token (6N + 12 L s a; 6N alone: {f['per_token_no_attention']:.4g}), "
+            f"{f['per_step']:.4g} per step, {f['per_rank_per_step']:.4g} per rank and step"
+        ),
+    ]
+
+    mg = plan["megatron"]
+    if mg:
+        ours = mg["this_trainer_per_layer_bytes"]
+        line = f"  Megatron-LM formula (Korthikanti et al. 2022, 16-bit, no recompute): {_bytes(mg['per_layer_bytes'])}"
+        if mg["tp"] > 1:
+            line += f"; tp={mg['tp']} (no sequence parallelism): {_bytes(mg['per_layer_tp_bytes'])}"
+        out += [
+            "",
+            f"Activation memory per layer, micro-batch {mg['micro_batch_size']}, seq {mg['seq_len']}:",
+            line,
+            (
+                f"  this trainer's count (tp={mg['tp']}): {_bytes(ours['float32'])} float32, "
+                f"{_bytes(ours['bfloat16'])} bfloat16 autocast"
+            ),
+        ]
+        out.append(f"  difference: {mg['difference']}")
+        if "note" in mg:
+            out.append(f"  note: {mg['note']}")
+    return "\n".join(out)
+
+
+def _memory_and_communication(plan: dict) -> list[str]:
+    out: list[str] = []
     out += [
         "",
         (
@@ -299,35 +359,4 @@ def format_text(plan: dict) -> str:
         if cm[k]["kind"] != "none"
     }
     out += [f"  {k}" for k in sorted(kinds)]
-
-    b = plan["bubble"]
-    out += ["", f"Pipeline bubble: {b['fraction']:.1%}  [{b['formula']}; m={b['num_microbatches']}]"]
-
-    f = plan["flops"]
-    out += [
-        "",
-        (
-            f"FLOPs: {f['per_token']:.4g} per token (6N + 12 L s a; 6N alone: {f['per_token_no_attention']:.4g}), "
-            f"{f['per_step']:.4g} per step, {f['per_rank_per_step']:.4g} per rank and step"
-        ),
-    ]
-
-    mg = plan["megatron"]
-    if mg:
-        ours = mg["this_trainer_per_layer_bytes"]
-        line = f"  Megatron-LM formula (Korthikanti et al. 2022, 16-bit, no recompute): {_bytes(mg['per_layer_bytes'])}"
-        if mg["tp"] > 1:
-            line += f"; tp={mg['tp']} (no sequence parallelism): {_bytes(mg['per_layer_tp_bytes'])}"
-        out += [
-            "",
-            f"Activation memory per layer, micro-batch {mg['micro_batch_size']}, seq {mg['seq_len']}:",
-            line,
-            (
-                f"  this trainer's count (tp={mg['tp']}): {_bytes(ours['float32'])} float32, "
-                f"{_bytes(ours['bfloat16'])} bfloat16 autocast"
-            ),
-        ]
-        out.append(f"  difference: {mg['difference']}")
-        if "note" in mg:
-            out.append(f"  note: {mg['note']}")
-    return "\n".join(out)
+    return out

@@ -90,9 +90,9 @@ class FeedForward(nn.Module):
 
 
 def RMSNorm(dim: int, eps: float) -> nn.RMSNorm:
-    """torch's RMSNorm (one fused kernel: it keeps only its input and 1/rms for backward).
-    Hugging Face's LlamaRMSNorm computes the same in float32, the residual stream's dtype here
-    under bfloat16 autocast too."""
+    """torch's RMSNorm. Hugging Face's LlamaRMSNorm computes the same in float32, the residual
+    stream's dtype here under bfloat16 autocast too. (On CPU, torch 2.13 runs it as separate
+    operators that keep the input, 1/rms and the normalised input for backward; see memory.py.)"""
     return nn.RMSNorm(dim, eps=eps)
 
 
