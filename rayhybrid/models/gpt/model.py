@@ -7,7 +7,6 @@ in a ModuleDict keyed by their global index, so a stage's `state_dict()` names
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 
 from rayhybrid.config.schema import ModelConfig
 from rayhybrid.models.gpt.counts import num_params  # noqa: F401  (its home before counts.py)
+from rayhybrid.models.layers import CheckpointedBlock, init_by_name
 
 
 class Attention(nn.Module):
@@ -49,23 +49,17 @@ class MLP(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
-class Block(nn.Module):
+class Block(CheckpointedBlock):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
-        self.checkpoint_activations = False
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def block_forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
 
 
 class GPT(nn.Module):
@@ -99,28 +93,8 @@ class GPT(nn.Module):
             x = self.output(self.norm(x))
         return x
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialise every parameter from a generator seeded by (seed, its full name).
-
-        The values do not depend on which stage holds a parameter, so every topology starts
-        from the same model. Residual output projections get the GPT-2 1/sqrt(2L) scaling.
-        """
-        std = 0.02
-        for name, param in self.named_parameters():
-            gen = torch.Generator().manual_seed(_name_seed(seed, name))
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
-                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * scale
-                param.copy_(values.to(param.device, param.dtype))
-
-
-def _name_seed(seed: int, name: str) -> int:
-    # A stable (process-independent) hash: Python's hash() of str is salted per process.
-    import zlib
-
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+        """Every parameter from a generator seeded by (seed, its full name): the values do not
+        depend on which stage holds a parameter, so every topology starts from the same model.
+        Residual output projections get the GPT-2 1/sqrt(2L) scaling."""
+        init_by_name(self, seed, self.cfg.n_layers, residual=("wo.weight", "w2.weight"))

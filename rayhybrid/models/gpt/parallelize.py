@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rayhybrid.models.gpt.model import GPT
-from rayhybrid.parallel.data_parallel import apply_data_parallel
+from rayhybrid.models.layers import checkpoint_and_shard
 
 
 def tp_plan(model: GPT, *, loss_parallel: bool) -> dict[str, object]:
@@ -58,15 +58,11 @@ def parallelize_gpt(
 ) -> GPT:
     if tp_mesh is not None and tp_mesh.size() > 1:
         parallelize_module(model, tp_mesh, tp_plan(model, loss_parallel=loss_parallel))
-    if activation_checkpointing:
-        for block in model.layers.values():
-            block.checkpoint_activations = True
-    if dp_mesh is not None and dp_mesh.size() > 1:
-        apply_data_parallel(
-            model,
-            dp_mesh,
-            shard=dp_shard,
-            blocks=list(model.layers.values()),
-            reshard_after_forward=reshard_after_forward,
-        )
-    return model
+    return checkpoint_and_shard(
+        model,
+        list(model.layers.values()),
+        dp_mesh=dp_mesh,
+        dp_shard=dp_shard,
+        activation_checkpointing=activation_checkpointing,
+        reshard_after_forward=reshard_after_forward,
+    )

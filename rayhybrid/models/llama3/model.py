@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayhybrid.config.schema import ModelConfig
-from rayhybrid.models.gpt.model import _name_seed
+from rayhybrid.models.layers import CheckpointedBlock, init_by_name
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -96,23 +96,17 @@ def RMSNorm(dim: int, eps: float) -> nn.RMSNorm:
     return nn.RMSNorm(dim, eps=eps)
 
 
-class Block(nn.Module):
+class Block(CheckpointedBlock):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
-        self.checkpoint_activations = False
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def block_forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
         return h + self.feed_forward(self.ffn_norm(h))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
 
 
 class Llama(nn.Module):
@@ -150,17 +144,8 @@ class Llama(nn.Module):
             x = self.output(self.norm(x))
         return x
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Every parameter from a generator seeded by (seed, its full name), so every topology
         starts from the same model: normal(0, 0.02) matrices and embeddings, the residual output
         projections (wo, w2) scaled by 1/sqrt(2 x n_layers), norms at one."""
-        std = 0.02
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            gen = torch.Generator().manual_seed(_name_seed(seed, name))
-            scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * scale
-            param.copy_(values.to(param.device, param.dtype))
+        init_by_name(self, seed, self.cfg.n_layers, residual=("wo.weight", "w2.weight"))

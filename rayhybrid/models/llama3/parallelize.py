@@ -17,8 +17,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from rayhybrid.models.layers import checkpoint_and_shard
 from rayhybrid.models.llama3.model import Llama
-from rayhybrid.parallel.data_parallel import apply_data_parallel
 
 
 def tp_plan(model: Llama, *, loss_parallel: bool) -> dict[str, object]:
@@ -64,15 +64,11 @@ def parallelize_llama(
         if tied:
             # Both are Shard(0) over the vocabulary rows: one DTensor serves both again.
             model.tie()
-    if activation_checkpointing:
-        for block in model.layers.values():
-            block.checkpoint_activations = True
-    if dp_mesh is not None and dp_mesh.size() > 1:
-        apply_data_parallel(
-            model,
-            dp_mesh,
-            shard=dp_shard,
-            blocks=list(model.layers.values()),
-            reshard_after_forward=reshard_after_forward,
-        )
-    return model
+    return checkpoint_and_shard(
+        model,
+        list(model.layers.values()),
+        dp_mesh=dp_mesh,
+        dp_shard=dp_shard,
+        activation_checkpointing=activation_checkpointing,
+        reshard_after_forward=reshard_after_forward,
+    )

@@ -1,0 +1,71 @@
+"""Pieces the built-in models share (torch): a block that can checkpoint its activations,
+initialisation by full parameter name, and the activation checkpointing and data parallelism
+that follow a model's tensor-parallel plan."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from rayhybrid.parallel.data_parallel import apply_data_parallel
+
+
+class CheckpointedBlock(nn.Module):
+    """A transformer block whose `block_forward` is recomputed in backward (activation
+    checkpointing) once `checkpoint_activations` is set."""
+
+    checkpoint_activations = False
+
+    def block_forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.block_forward, x, use_reentrant=False)
+        return self.block_forward(x)
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A stable (process-independent) seed for a parameter: Python's hash() of str is salted."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_by_name(module: nn.Module, seed: int, n_layers: int, residual: tuple[str, ...], std: float = 0.02) -> None:
+    """Every parameter from a generator seeded by (seed, its full name), so its value does not
+    depend on which stage holds it and every topology starts from the same model: norms at one,
+    biases at zero, matrices and embeddings normal(0, std), the residual output projections
+    (names ending in `residual`) scaled by 1/sqrt(2 x n_layers) as in GPT-2."""
+    for name, param in module.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            gen = torch.Generator().manual_seed(name_seed(seed, name))
+            scale = std / math.sqrt(2 * n_layers) if name.endswith(residual) else std
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * scale
+            param.copy_(values.to(param.device, param.dtype))
+
+
+def checkpoint_and_shard(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    *,
+    dp_mesh: DeviceMesh | None,
+    dp_shard: bool,
+    activation_checkpointing: bool,
+    reshard_after_forward: bool,
+) -> nn.Module:
+    """After the TP plan: activation checkpointing of every block, then data parallelism over
+    the dp mesh (FSDP2 block by block, or replicate)."""
+    if activation_checkpointing:
+        for block in blocks:
+            block.checkpoint_activations = True
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        apply_data_parallel(model, dp_mesh, shard=dp_shard, blocks=blocks, reshard_after_forward=reshard_after_forward)
+    return model
