@@ -339,3 +339,66 @@ def _worlds_child(proc: int, cfgs: list, ranks: list[dict[int, int]], ports: lis
         out.put((proc, True, losses))
     except BaseException as err:  # noqa: BLE001 - reported to the parent
         out.put((proc, False, f"{type(err).__name__}: {err}"))
+
+
+# --------------------------------------------------------------------------------------------
+# One set of rank processes for a save and its resumes (saves a spawn and a rendezvous).
+
+
+def shared_parameters(trainer) -> list[tuple[str, str]]:
+    """(name, the earlier name of the same tensor) for every parameter a stage of `trainer`
+    holds twice: a tied output is ("output.weight", "tok_embeddings.weight")."""
+    pairs = []
+    for _, module in trainer.stages:
+        first: dict[int, str] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                pairs.append((name, first[id(param)]))
+            else:
+                first[id(param)] = name
+    return pairs
+
+
+def train_save_resume(rank: int, fresh: dict, source: str, root: str, before: int, after: int, resume: dict) -> dict:
+    """Each labelled config of `fresh` trains `before + after` steps from scratch (the one
+    labelled `source` saves a checkpoint into `root` after `before` steps); then each config of
+    `resume` is restored from that checkpoint and trains `after` steps. All configs need the
+    same world size. {"fresh": {label: every step's metrics}, "path": the checkpoint,
+    "resumed": {label: {"start", "losses", "consumed", "shared" (see shared_parameters)}}}."""
+    from rayhybrid import checkpoint_store
+    from rayhybrid.trainer.loop import Trainer
+
+    out: dict = {"fresh": {}, "resumed": {}}
+    for label, cfg in fresh.items():
+        try:
+            tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+            metrics = [dict(tr.train_step()) for _ in range(before)]
+            if label == source:
+                saved = tr.save_checkpoint(root, keep=2)  # uploads while the next steps train
+            metrics += [dict(tr.train_step()) for _ in range(after)]
+            if label == source:
+                (done,) = tr.finished_checkpoints(wait=True) or [saved]
+                assert "error" not in done, done
+                out["path"] = saved["path"]
+                tr.close_checkpoints()
+            out["fresh"][label] = metrics
+        except Exception as exc:
+            raise RuntimeError(f"config {label!r} failed on rank {rank}") from exc
+        del tr
+    ckpt = checkpoint_store.latest(root)
+    for label, cfg in resume.items():
+        try:
+            tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+            tr.load_checkpoint(str(ckpt.path), ckpt.meta)
+            start, shared = tr.step, shared_parameters(tr)
+            metrics = [tr.train_step() for _ in range(after)]
+            out["resumed"][label] = {
+                "start": start,
+                "losses": [m["loss"] for m in metrics],
+                "consumed": [m["consumed_samples"] for m in metrics],
+                "shared": shared,
+            }
+        except Exception as exc:
+            raise RuntimeError(f"resuming config {label!r} failed on rank {rank}") from exc
+        del tr
+    return out

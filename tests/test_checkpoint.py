@@ -1,7 +1,8 @@
 """Checkpoints: atomic publish, completeness checks, exact resume, and resharding on load.
 
 A checkpoint written by dp2_pp2_tp2 after 3 steps is loaded under other topologies; their next
-steps' losses must match continuing under the original topology (float32, CPU).
+steps' losses must match continuing under the original topology (float32, CPU). The Llama 3
+debug preset does the same from pp2 to tp2 and to FSDP.
 """
 
 from __future__ import annotations
@@ -12,9 +13,17 @@ import os
 import pytest
 
 from rayhybrid import checkpoint_store as store
+from rayhybrid.config.compose import load_config
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TrainConfig
 from rayhybrid.storage import Store
-from tests.distributed import checkpoint_then_continue, replace_topology, resume_many, run_configs, run_ranks
+from tests.distributed import (
+    checkpoint_then_continue,
+    replace_topology,
+    resume_many,
+    run_configs,
+    run_ranks,
+    train_save_resume,
+)
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 
@@ -94,6 +103,23 @@ def world8_resumed(source):
 def world4_resumed(source):
     root, _ = source
     return run_configs(resume_many, WORLD4, str(root), AFTER, timeout=600)[0]
+
+
+def test_llama3_resumes_under_other_topologies(tmp_path):
+    """llama3_debug saved by pp2 after 3 steps, resumed under tp2 (one KV head per rank) and
+    under FSDP: the next steps' losses are pp2's own, uninterrupted ones."""
+    llama = Config(model=load_config(["model=llama3_debug"]).model, data=BASE.data, train=BASE.train)
+    source = replace_topology(llama, pp=2)
+    resume = {"tp2": replace_topology(llama, tp=2), "dp2_fsdp": replace_topology(llama, dp=2, dp_shard=True)}
+    (out, _) = run_ranks(
+        train_save_resume, 2, {"pp2": source}, "pp2", str(tmp_path), BEFORE, AFTER, resume, timeout=600
+    )
+    assert out["path"] == str(tmp_path / store.name_for(BEFORE))
+    assert store.check(out["path"]).meta["model"]["name"] == "llama3"
+    uninterrupted = [m["loss"] for m in out["fresh"]["pp2"]]
+    assert uninterrupted[-1] < uninterrupted[0]
+    for label in resume:
+        check(out["resumed"][label], uninterrupted[BEFORE:])
 
 
 def test_incomplete_or_corrupt_latest_is_skipped(tmp_path, caplog):

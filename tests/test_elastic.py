@@ -60,14 +60,16 @@ def node_of(run_dir: Path, dp: int, cluster: Cluster):
 
 
 @pytest.mark.slow
-def test_shrinks_when_a_node_goes_and_grows_when_one_comes_back(cluster, tmp_path):
+@pytest.mark.parametrize("model", [[], ["model=llama3_debug"]], ids=["gpt", "llama3"])
+def test_shrinks_when_a_node_goes_and_grows_when_one_comes_back(cluster, tmp_path, model):
     steps = 40
-    reference = rayhybrid.train([*COMMON, f"train.steps={steps}"], run_dir=tmp_path / "ref")  # fixed dp1
+    common = [*model, *COMMON]
+    reference = rayhybrid.train([*common, f"train.steps={steps}"], run_dir=tmp_path / "ref")  # fixed dp1
     assert reference["status"] == "completed"
 
     run_dir = tmp_path / "run"
     wait_for(lambda: ray.available_resources().get("CPU", 0) == 6)  # the reference run's are back
-    thread, result = in_background([*COMMON, *ELASTIC, f"train.steps={steps}"], run_dir)
+    thread, result = in_background([*common, *ELASTIC, f"train.steps={steps}"], run_dir)
     # Elastic starts with what is placed, and grows at a checkpoint if the rest comes soon after.
     wait_for(lambda: any(r.get("dp") == 3 for r in records(run_dir) if "event" not in r))
     cluster.remove_node(node_of(run_dir, 1, cluster))

@@ -80,3 +80,13 @@ def test_hf_config_keys_left_out_mean_transformers_defaults():
     )
     given = HF.config_from_hf({**shape, "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 5e5}})
     assert (given["norm_eps"], given["rope_theta"], given["vocab_size"]) == (1e-5, 5e5, 32000)
+
+
+def test_dict_settings_take_a_whole_dict_without_a_plus():
+    """`model.rope_scaling={...}` on a preset without scaling (an empty dict Hydra holds in
+    struct mode) works like `model.rope_scaling.factor=...` on one with it."""
+    cfg = load_config(["model=llama3_debug", "model.rope_scaling={factor:8.0,original_max_position_embeddings:16}"])
+    assert cfg.model.rope_scaling == {"factor": 8.0, "original_max_position_embeddings": 16}
+    cfg = load_config(["model=llama3.1_8b", "model.rope_scaling.factor=4.0"])
+    assert cfg.model.rope_scaling["factor"] == 4.0 and cfg.model.rope_scaling["low_freq_factor"] == 1.0
+    assert load_config(["model.options={width:3}"]).model.options == {"width": 3}

@@ -1,6 +1,7 @@
 """Loss parity across topologies (docs/design.md, invariant 3): with the same seed and global batch, the
 per-step losses of dp/pp/tp runs match the single-process reference to floating-point noise,
-for every pipeline schedule and for replicated and sharded data parallelism.
+for every pipeline schedule and for replicated and sharded data parallelism. The Llama 3 debug
+preset (labels `llama3_*`) runs a few of the same layouts against its own one-rank reference.
 
 The runs of one world size share one set of rank processes (see `tests.distributed.train_many`);
 a failing config names itself in the error.
@@ -13,6 +14,7 @@ import math
 
 import pytest
 
+from rayhybrid.config.compose import load_config
 from rayhybrid.config.schema import SCHEDULES, Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
 from tests.distributed import run_configs, train_many
 
@@ -34,6 +36,8 @@ BASE = Config(
     train=TrainConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=1, warmup_steps=2, dtype="float32"),
     seed=0,
 )
+LLAMA = load_config(["model=llama3_debug"]).model
+"""The Llama 3 debug preset (conf/model/llama3_debug.yaml): 4 heads sharing 2 KV heads."""
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -42,7 +46,14 @@ def stages_per_rank(schedule: str) -> int:
 
 
 def topo(
-    dp: int = 1, pp: int = 1, tp: int = 1, schedule: str = "1f1b", dp_shard: bool = False, ac: bool = False, **extra
+    dp: int = 1,
+    pp: int = 1,
+    tp: int = 1,
+    schedule: str = "1f1b",
+    dp_shard: bool = False,
+    ac: bool = False,
+    model: ModelConfig = BASE.model,
+    **extra,
 ) -> Config:
     return Config(
         topology=TopologyConfig(
@@ -54,7 +65,7 @@ def topo(
             dp_shard=dp_shard,
             **extra,
         ),
-        model=BASE.model,
+        model=model,
         data=BASE.data,
         train=dataclasses.replace(BASE.train, activation_checkpointing=ac),
         seed=BASE.seed,
@@ -72,6 +83,10 @@ WORLD2 = {
     "tp2_ac": topo(tp=2, ac=True),
     "pp2_1f1b_ac": topo(pp=2, ac=True),
     "dp2_shard_ac": topo(dp=2, dp_shard=True, ac=True),
+    # Llama 3 debug (grouped-query attention: tp2 leaves one KV head per rank).
+    "llama3_tp2": topo(tp=2, model=LLAMA),
+    "llama3_pp2_1f1b": topo(pp=2, model=LLAMA),
+    "llama3_dp2_shard_ac": topo(dp=2, dp_shard=True, ac=True, model=LLAMA),
 }
 WORLD8 = {
     f"dp2_pp2_tp2_{s}{'_shard' if shard else ''}": topo(dp=2, pp=2, tp=2, schedule=s, dp_shard=shard)
@@ -80,11 +95,19 @@ WORLD8 = {
 }
 WORLD8["dp2_pp2_tp2_1f1b_loss_parallel"] = topo(dp=2, pp=2, tp=2, loss_parallel="true")
 WORLD8["dp2_pp2_tp2_interleaved_1f1b_ac"] = topo(dp=2, pp=2, tp=2, schedule="interleaved_1f1b", ac=True)
+WORLD8["llama3_dp2_pp2_tp2_1f1b"] = topo(dp=2, pp=2, tp=2, model=LLAMA)
+REFERENCES = {"gpt": "dp1_pp1_tp1", "llama3": "llama3_dp1"}
+"""The one-rank run each model's labels are held to."""
+
+
+def reference_of(label: str) -> str:
+    return REFERENCES["llama3" if label.startswith("llama3_") else "gpt"]
 
 
 @pytest.fixture(scope="module")
 def world1_runs() -> dict[str, list[dict]]:
-    (ranks,) = run_configs(train_many, {"dp1_pp1_tp1": topo(), "dp1_ac": topo(ac=True)}, STEPS)
+    world1 = {"dp1_pp1_tp1": topo(), "dp1_ac": topo(ac=True), "llama3_dp1": topo(model=LLAMA)}
+    (ranks,) = run_configs(train_many, world1, STEPS)
     return ranks
 
 
@@ -132,7 +155,7 @@ def world2_runs() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world8_runs() -> list[dict]:
-    # Eleven configs on eight ranks share two CPU cores: allow for a busy machine.
+    # Thirteen configs on eight ranks share two CPU cores: allow for a busy machine.
     return run_configs(train_many, WORLD8, STEPS, timeout=600)
 
 
@@ -166,7 +189,9 @@ def check_parity(ranks: list[dict], label: str, cfg: Config, reference: list[dic
         assert [m["lr"] for m in metrics] == pytest.approx([m["lr"] for m in reference], rel=1e-12)
 
 
-def test_reference_learns_and_reports(reference):
+@pytest.mark.parametrize("model", list(REFERENCES))
+def test_reference_learns_and_reports(model, world1_runs):
+    reference = world1_runs[REFERENCES[model]]
     check_metrics(reference, topo())
     loss = [m["loss"] for m in reference]
     # The model really trains: a frozen (or wrongly updated) model would not fall this much.
@@ -176,10 +201,10 @@ def test_reference_learns_and_reports(reference):
 
 
 @pytest.mark.parametrize("label", list(WORLD2))
-def test_parity_world2(label, world2_runs, reference):
-    check_parity(world2_runs, label, WORLD2[label], reference)
+def test_parity_world2(label, world2_runs, world1_runs):
+    check_parity(world2_runs, label, WORLD2[label], world1_runs[reference_of(label)])
 
 
 @pytest.mark.parametrize("label", list(WORLD8))
-def test_parity_dp2_pp2_tp2(label, world8_runs, reference):
-    check_parity(world8_runs, label, WORLD8[label], reference)
+def test_parity_dp2_pp2_tp2(label, world8_runs, world1_runs):
+    check_parity(world8_runs, label, WORLD8[label], world1_runs[reference_of(label)])

@@ -103,6 +103,24 @@ def test_sigkill_of_a_rank_mid_run(tmp_path, reference):
     assert names == [checkpoint_store.name_for(9), checkpoint_store.name_for(12)]  # keep=2, no temporaries
 
 
+def test_llama3_rank_killed_mid_run_recovers(tmp_path):
+    """llama3_debug under pp2 x tp2: rank 1 SIGKILLs itself at the start of step 5
+    (fault.inject). Only it is replaced, the run goes back to step 3 and ends with the losses
+    of an uninterrupted one-rank run."""
+    llama = ["model=llama3_debug", *COMMON, "train.steps=9"]
+    reference = rayhybrid.train(llama, run_dir=tmp_path / "ref")
+    assert reference["status"] == "completed"
+    run_dir = tmp_path / "run"
+    summary = rayhybrid.train(["+topology=pp2_tp2", *llama, "fault.inject=[kill@5:1]"], run_dir=run_dir)
+    assert summary["status"] == "completed" and summary["steps"] == 9 and summary["restarts"] == 1
+    (recovery,) = summary["recoveries"]
+    assert recovery["resume_step"] == 3 and recovery["replaced_ranks"] == [1]
+    assert [(e["step"], e["kind"], e["rank"]) for e in events(run_dir, "fault_injected")] == [(5, "kill", 1)]
+    assert losses(run_dir) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
+    names = sorted(os.listdir(run_dir / "checkpoints"))
+    assert names == [checkpoint_store.name_for(6), checkpoint_store.name_for(9)]
+
+
 def test_hung_rank_is_detected_by_step_timeout(tmp_path, reference):
     run_dir = tmp_path / "run"
     thread, result = in_background(["+topology=dp2", *COMMON, "train.steps=9", "fault.step_timeout_s=3"], run_dir)

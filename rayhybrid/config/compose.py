@@ -67,7 +67,7 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
         key = item.split("=", 1)[0]
         if key in OPTIONAL_GROUPS and "=" in item:
             item = "+" + item
-        elif key.startswith(FREE_FORM) and "=" in item:
+        elif (key.startswith(FREE_FORM) or f"{key}." in FREE_FORM) and "=" in item:
             item = "++" + item
         out.append(item)
     return out
