@@ -402,3 +402,29 @@ def train_save_resume(rank: int, fresh: dict, source: str, root: str, before: in
             raise RuntimeError(f"resuming config {label!r} failed on rank {rank}") from exc
         del tr
     return out
+
+
+def hf_reads(rank: int, cfg) -> dict[str, int]:
+    """Build a `Trainer` for `cfg` (with model.init_from) while recording what this rank asks
+    DCP's HuggingFaceStorageReader for: {Hugging Face tensor name: elements read}."""
+    import math
+
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from rayhybrid.trainer.loop import Trainer
+
+    reads: dict[str, int] = {}
+    original = HuggingFaceStorageReader.read_data
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            reads[fqn] = reads.get(fqn, 0) + math.prod(item.lengths)
+        return original(self, plan, planner)
+
+    HuggingFaceStorageReader.read_data = read_data
+    try:
+        Trainer(cfg, rank=rank, device=torch.device("cpu"))
+    finally:
+        HuggingFaceStorageReader.read_data = original
+    return reads

@@ -438,3 +438,33 @@ def test_export_help():
 
     proc = run_module("rayhybrid.export", "--help")
     assert proc.returncode == 0 and proc.stdout.strip() == doc.strip()
+
+
+@pytest.mark.slow
+def test_each_rank_reads_only_its_own_slices(hf_dirs):
+    """Under pp2 x tp2, a rank reads the tensors of its own pipeline stage only, and of each
+    tensor that tp splits, its 1/tp share: never the whole checkpoint."""
+    from tests.distributed import hf_reads
+
+    cfg = config(hf_dirs["untied"], "topology.pp=2", "topology.tp=2")
+    reads = run_ranks(hf_reads, 4, cfg)
+    from safetensors import safe_open
+
+    with safe_open(str(Path(hf_dirs["untied"]) / "model.safetensors"), "pt") as f:
+        sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    numel = {name: int(torch.tensor(shape).prod()) for name, shape in sizes.items()}
+    for rank, got in enumerate(reads):
+        pp = rank // 2  # rank = pp_i * tp + tp_i
+        layers = {0: ("0", "1"), 1: ("2", "3")}[pp]
+        for name, n in got.items():
+            if name.startswith("model.layers."):
+                assert name.split(".")[2] in layers, f"rank {rank} (stage {pp}) read {name}"
+            else:
+                assert name == ("model.embed_tokens.weight" if pp == 0 else "model.norm.weight") or (
+                    pp == 1 and name == "lm_head.weight"
+                ), f"rank {rank} read {name}"
+            split = "norm" not in name  # norms are replicated over tp; every matrix is split
+            assert n == (numel[name] // 2 if split else numel[name]), f"rank {rank}: {name} {n} of {numel[name]}"
+        assert sum(got.values()) < sum(numel.values()) / 3
+    # Together the ranks read every tensor of the checkpoint.
+    assert set().union(*reads) == set(numel)
