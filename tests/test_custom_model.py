@@ -174,6 +174,31 @@ def test_cli_trains_the_example_under_dp2_pp2_tp2(tmp_path):
     assert summary["final_loss"] < summary["initial_loss"] - 0.3, (summary["initial_loss"], summary["final_loss"])
 
 
+@pytest.mark.slow
+def test_a_module_the_workers_cannot_import_exits_2_with_one_line(tmp_path):
+    """The driver imports the module (its sys.path has it) but the workers cannot (Ray hands
+    them the driver's PYTHONPATH and working directory, not sys.path edits): one line naming
+    model.module and the rank, exit 2, and no restarts that cannot help."""
+    driver = "import sys; sys.path.insert(0, sys.argv.pop(1)); from rayhybrid.__main__ import main; main(sys.argv[1:])"
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", driver, str(EXAMPLE), MODULE, "train.steps=2", f"hydra.run.dir={tmp_path}/run"],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = one_line_error(proc)
+    assert line.startswith("rayhybrid: error: model.module: cannot import 'tiny_parallel'"), line
+    assert "on rank 0" in line, line
+    records = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert '"restart"' not in records, records
+
+
 STEPS = 6
 BASE = Config(
     model=ModelConfig(module="tiny_parallel"),

@@ -22,7 +22,7 @@ from rayhybrid.cluster.placement import (
 )
 from rayhybrid.cluster.worker import CONTROL, TrainWorker, WorkerInfo
 from rayhybrid.config.schema import Config, with_dp
-from rayhybrid.errors import PlacementTimeout, RankFailed, WorkerError
+from rayhybrid.errors import ConfigError, PlacementTimeout, RankFailed, WorkerError
 from rayhybrid.fault import Injection
 from rayhybrid.storage import forwarded_env
 from rayhybrid.topology import Layout
@@ -412,7 +412,11 @@ class WorkerGroup:
             for ref in ready:
                 try:
                     ray.get(ref)
-                except (RayTaskError, RayActorError):
+                except RayTaskError as err:
+                    if isinstance(err.cause, ConfigError):  # settings no restart can fix: exit 2
+                        raise ConfigError(err.cause.setting, err.cause.message) from None
+                    raise first_failure(_failures(refs)) from None
+                except RayActorError:
                     raise first_failure(_failures(refs)) from None
         return ray.get(refs)
 

@@ -15,7 +15,7 @@ import ray
 
 from rayhybrid import fault
 from rayhybrid.config.schema import Config
-from rayhybrid.errors import RankFailed
+from rayhybrid.errors import ConfigError, RankFailed
 from rayhybrid.topology import Layout
 
 
@@ -158,8 +158,13 @@ class TrainWorker:
     def _guarded(self, fn, *args):
         """Run `fn`; on failure leave the process group (waking the peers blocked on this
         rank) and raise `RankFailed` with the error's one-line summary."""
+        config_error = None
         try:
             return fn(*args)
+        except ConfigError as err:
+            # The settings cannot work here (a model.module the workers cannot import, say):
+            # no restart can help, so the driver stops with it (exit code 2).
+            config_error = ConfigError(err.setting, f"{err.message} (on rank {self.rank}, pid {os.getpid()})")
         except Exception as err:  # noqa: BLE001 - any failure breaks the group the same way
             at = time.time()
             err = _out_of_memory(err) or err
@@ -167,6 +172,8 @@ class TrainWorker:
             message = f"{type(err).__name__}: {lines[0] if lines else ''}"
         # Outside the handler, so the traceback's frames (and the trainer they hold) are gone.
         self.reset()
+        if config_error is not None:
+            raise config_error
         raise RankFailed(message, at)
 
     def reset(self) -> None:
