@@ -82,11 +82,13 @@ def worker_nodes(address: str) -> int:
         "import ray, json;"
         "from ray._private.authentication.authentication_token_setup import "
         "maybe_enable_token_auth_if_token_available as token; token(warn_if_disabled=False);"
-        f"ray.init(address={address!r}, logging_level='ERROR');"
-        "print(json.dumps(sum(n['Alive'] and n['Resources'].get('CPU', 0) > 0 for n in ray.nodes())))"
+        f"ray.init(address={address!r}, logging_level='ERROR', log_to_driver=False);"
+        "print('nodes:', json.dumps(sum(n['Alive'] and n['Resources'].get('CPU', 0) > 0 for n in ray.nodes())))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    # The autoscaler's own lines ("(autoscaler +0s) Removing 3 nodes ...") may reach stdout too.
+    (count,) = [line.split(":", 1)[1] for line in out.stdout.splitlines() if line.startswith("nodes:")]
+    return int(count)
 
 
 def test_elastic_run_grows_as_the_autoscaler_adds_nodes_and_they_go_when_it_ends(tmp_path):
