@@ -27,10 +27,12 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 
 from rayhybrid.errors import ConfigError, RayHybridError
+from rayhybrid.storage import one_line, redact_url
 
 GENERATION_CONFIG = {"do_sample": False}
 DTYPES = ("float32", "bfloat16")
@@ -68,7 +70,7 @@ def find_checkpoint(url: str, options: dict):
     """The committed checkpoint at `url` (a step directory), or the latest one under it (a
     checkpoint.dir); ConfigError saying why there is none."""
     from rayhybrid import checkpoint_store
-    from rayhybrid.storage import Store, redact_url
+    from rayhybrid.storage import Store
 
     shown = redact_url(url)
     try:
@@ -81,8 +83,6 @@ def find_checkpoint(url: str, options: dict):
             f"{store.root}/{checkpoint_store.META}"
         )
     except Exception as err:  # noqa: BLE001 - any client error: the store cannot be read
-        from rayhybrid.storage import one_line
-
         raise ConfigError("--checkpoint", f"cannot read {shown} ({one_line(err)})") from None
     if not exists:
         raise ConfigError("--checkpoint", f"{shown} does not exist")
@@ -103,7 +103,6 @@ def model_of(meta: dict, path: str):
     """(ModelConfig, its adapter, seq_len) from a checkpoint's meta.json."""
     from rayhybrid.config.schema import ModelConfig
     from rayhybrid.models.registry import get_spec
-    from rayhybrid.storage import redact_url
 
     recorded = meta.get("model")
     if not isinstance(recorded, dict):
@@ -149,7 +148,6 @@ def export(
     """Write checkpoint `url` as a Hugging Face model directory `out`; returns what it wrote."""
     import torch
 
-    from rayhybrid.storage import one_line
     from rayhybrid.trainer.checkpoint import reader
 
     out = check_out(out)
@@ -159,7 +157,9 @@ def export(
     try:
         metadata = reader(store, path).read_metadata()
     except Exception as err:  # noqa: BLE001 - an unreadable .metadata: not a usable checkpoint
-        raise ConfigError("--checkpoint", f"cannot read {redact(ckpt.path)}'s DCP metadata ({one_line(err)})") from None
+        raise ConfigError(
+            "--checkpoint", f"cannot read {redact_url(ckpt.path)}'s DCP metadata ({one_line(err)})"
+        ) from None
     ours = {
         key.removeprefix("model."): md
         for key, md in metadata.state_dict_metadata.items()
@@ -177,10 +177,7 @@ def export(
 
     def nbytes(name: str) -> int:
         md = ours[name]
-        size = 1
-        for d in md.size:
-            size *= d
-        return size * (target or md.properties.dtype).itemsize
+        return math.prod(md.size) * (target or md.properties.dtype).itemsize
 
     order = sorted(ours, key=lambda n: _natural(hf_names[n]))
     groups = _shards(order, {n: nbytes(n) for n in order}, int(max_shard_gb * 1e9))
@@ -198,7 +195,7 @@ def export(
                 os.rmdir(out)
         if isinstance(err, (KeyboardInterrupt, SystemExit, RayHybridError)):
             raise
-        raise RayHybridError(f"export of {redact(ckpt.path)} failed: {one_line(err)}") from err
+        raise RayHybridError(f"export of {redact_url(ckpt.path)} failed: {one_line(err)}") from err
 
 
 def _write(store, path, ckpt, model, adapter, seq_len, out, groups, hf_names, ours, target, dtype, files) -> dict:
@@ -237,19 +234,13 @@ def _write(store, path, ckpt, model, adapter, seq_len, out, groups, hf_names, ou
     files.append("generation_config.json")
     _write_json(os.path.join(out, files[-1]), GENERATION_CONFIG)
     return {
-        "checkpoint": redact(ckpt.path),
+        "checkpoint": redact_url(ckpt.path),
         "step": ckpt.step,
         "out": out,
         "files": files,
         "tensors": len(weight_map),
         "bytes": total,
     }
-
-
-def redact(url: str) -> str:
-    from rayhybrid.storage import redact_url
-
-    return redact_url(url)
 
 
 def _natural(name: str) -> list:

@@ -22,22 +22,6 @@ CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
-CONFIG_KEYS = {
-    "n_layers": "num_hidden_layers",
-    "d_model": "hidden_size",
-    "n_heads": "num_attention_heads",
-    "n_kv_heads": "num_key_value_heads",
-    "ffn_dim": "intermediate_size",
-    "vocab_size": "vocab_size",
-    "norm_eps": "rms_norm_eps",
-    "tie_embeddings": "tie_word_embeddings",
-    "max_positions": "max_position_embeddings",
-    "head_dim": "head_dim",
-    "rope_theta": "rope_theta",
-    "rope_scaling": "rope_scaling",
-}
-"""ModelConfig field -> the usual config.json key of Hugging Face's decoder models (for messages)."""
-
 _EFFECTIVE = {"head_dim": "head_width", "n_kv_heads": "kv_heads", "ffn_dim": "hidden_dim"}
 """Fields whose 0 means a default: two values agree when the width they give agrees."""
 
@@ -70,7 +54,7 @@ class HFAdapter:
 
     def hf_key(self, field: str) -> str:
         """The config.json key that sets ModelConfig's `field` (for messages)."""
-        return CONFIG_KEYS.get(field, field)
+        return field
 
     def accepts(self, hf: dict) -> bool:
         """Whether config.json (its `architectures`, else its `model_type`) is this adapter's."""
@@ -140,22 +124,13 @@ def _found(hf: dict) -> str:
 
 def _builtin_for(hf: dict) -> str | None:
     """The built-in model whose adapter reads this config.json, if any."""
-    from rayhybrid.models.registry import BUILTIN, get_spec
+    from rayhybrid.models.registry import BUILTIN, builtin_spec
 
     for name in BUILTIN:
-        try:
-            spec = get_spec(dataclasses.replace(_empty_model(), name=name))
-        except ConfigError:
-            continue
+        spec = builtin_spec(name)
         if spec.hf is not None and spec.hf.accepts(hf):
             return name
     return None
-
-
-def _empty_model():
-    from rayhybrid.config.schema import ModelConfig
-
-    return ModelConfig()
 
 
 def _hint(hf: dict) -> str:

@@ -29,6 +29,19 @@ class CheckpointedBlock(nn.Module):
         return self.block_forward(x)
 
 
+def shared_parameters(module: nn.Module) -> list[tuple[str, str]]:
+    """(name, the earlier name of the same parameter) for every parameter held twice (an output
+    tied to the token embedding)."""
+    first: dict[int, str] = {}
+    tied = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return tied
+
+
 def name_seed(seed: int, name: str) -> int:
     """A stable (process-independent) seed for a parameter: Python's hash() of str is salted."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)

@@ -29,7 +29,12 @@ def get_spec(model) -> ModelSpec:
             f"unknown model {model.name!r}; built in: {', '.join(BUILTIN)}, "
             "or set model.module=<your package.module exposing SPEC>",
         )
-    return _load(BUILTIN[model.name], "model.name")
+    return builtin_spec(model.name)
+
+
+def builtin_spec(name: str) -> ModelSpec:
+    """The spec of built-in model `name` (a key of BUILTIN)."""
+    return _load(BUILTIN[name], "model.name")
 
 
 def load_module_spec(module: str) -> ModelSpec:

@@ -20,20 +20,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from rayhybrid.models.layers import shared_parameters
+
 log = logging.getLogger(__name__)
-
-
-def _tied_to(module, name: str) -> str | None:
-    """The name of the parameter that `name` shares its tensor with (an output tied to the
-    token embedding), if another one comes first in the module; None otherwise."""
-    params = dict(module.named_parameters(remove_duplicate=False))
-    target = params.get(name)
-    for other, param in params.items():
-        if other == name:
-            return None
-        if param is target:
-            return other
-    return None
 
 
 def load_pretrained(trainer) -> dict:
@@ -53,9 +42,8 @@ def load_pretrained(trainer) -> dict:
         state = get_model_state_dict(module)
         # A tied output shares the embedding's tensor: read it once, under the embedding's name
         # (Hugging Face drops lm_head.weight from a tied model's checkpoint).
-        for name in list(state):
-            if _tied_to(module, name) is not None:
-                del state[name]
+        for name, _ in shared_parameters(module):
+            state.pop(name, None)
         for name, tensor in state.items():
             hf_name = adapter.to_hf(name)
             if hf_name in request:

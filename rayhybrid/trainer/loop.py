@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from rayhybrid.config.schema import Config
+from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
@@ -171,7 +172,7 @@ class Trainer:
                 first=index == 0,
                 last=index == self.num_stages - 1,
             )
-        tied = _shared_parameters(stage)
+        tied = shared_parameters(stage)
         stage.to_empty(device=self.device)  # a new tensor per name: ties (a shared output) undone
         for name, source in tied:
             owner, _, attr = name.rpartition(".")
@@ -352,18 +353,6 @@ class Trainer:
             dist.all_reduce(loss, group=dp)
             loss = loss / self.topo.dp
         return float(loss)
-
-
-def _shared_parameters(module: torch.nn.Module) -> list[tuple[str, str]]:
-    """(name, the earlier name of the same parameter) for every parameter held twice (tied)."""
-    first: dict[int, str] = {}
-    tied = []
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            tied.append((name, first[id(param)]))
-        else:
-            first[id(param)] = name
-    return tied
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -60,9 +60,16 @@ HF_DEFAULTS = {
 }
 
 
+_KEY_OF = {field: key for key, field in _FIELDS.items()} | {"rope_theta": "rope_theta", "rope_scaling": "rope_scaling"}
+"""ModelConfig field -> the config.json key that sets it."""
+
+
 class LlamaHF(HFAdapter):
     architectures = ("LlamaForCausalLM",)
     model_type = "llama"
+
+    def hf_key(self, field: str) -> str:
+        return _KEY_OF.get(field, field)
 
     def to_hf(self, name: str) -> str:
         if name in _TOP:
