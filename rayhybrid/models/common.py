@@ -14,7 +14,7 @@ def validate_attention(cfg, *, kv_heads: bool) -> None:
     """Heads split d_model (or head_dim is set), and tp splits heads (and KV heads) and the
     vocabulary (vocab-parallel embedding and output)."""
     m, tp = cfg.model, cfg.topology.tp
-    for name in ("n_layers", "n_heads", "d_model", "vocab_size", "ffn_mult"):
+    for name in ("n_heads", "d_model", "ffn_mult"):  # n_layers and vocab_size: config/validate.py
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name}", f"must be positive, got {getattr(m, name)}")
     for name in ("head_dim", "ffn_dim", "n_kv_heads", "max_positions"):

@@ -21,6 +21,7 @@ from rayhybrid.config.schema import Config, ModelConfig
 from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import get_spec
 from rayhybrid.models.spec import MemoryModel, ParamTensor
+from rayhybrid.models.spec import ceil_div as _ceil
 from rayhybrid.plan.schedule import rank_actions
 from rayhybrid.topology import Layout
 
@@ -33,20 +34,12 @@ RUNTIME_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv")
 at the end of the step."""
 
 
-def _ceil(x: int, n: int) -> int:
-    return -(-x // n)
-
-
 def _t(cfg: Config, tp: int | None) -> int:
     return cfg.topology.tp if tp is None else tp
 
 
 def _dtype(cfg: Config, dtype: str | None) -> str:
     return cfg.train.dtype if dtype is None else dtype
-
-
-def ffn_dim(model: ModelConfig) -> int:
-    return model.hidden_dim
 
 
 def memory_model(cfg: Config) -> MemoryModel:
