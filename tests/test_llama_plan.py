@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from distributed import run_configs
+from distributed import run_configs, settled, steady_peak_mb
 from test_cli import REPO, run_cli
 
 from rayhybrid.config.compose import load_config
@@ -139,10 +139,9 @@ def test_flops_with_grouped_query_attention_by_hand():
 
 def measure(rank: int, cfgs: dict, steps: int, forward: tuple[str, ...]) -> dict[str, dict]:
     """For each labelled config: a fresh `Trainer`, its `describe()["local_params"]`, `steps`
-    training steps (each rank's highest peak of the last two, the lower); for the labels in
-    `forward`, then one more forward of a micro-batch under the step's context (autocast), and
-    the bytes the meter counts as saved for backward at its end (as tests/distributed.py's
-    `forward_memory`)."""
+    training steps (their `steady_peak_mb`); for the labels in `forward`, then one more forward
+    of a micro-batch under the step's context (autocast), twice, and the bytes the meter counts
+    as saved for backward at its end, the lower (as tests/distributed.py's `forward_memory`)."""
     from rayhybrid.trainer.loop import Trainer
     from rayhybrid.trainer.memory import _by_category
 
@@ -151,20 +150,21 @@ def measure(rank: int, cfgs: dict, steps: int, forward: tuple[str, ...]) -> dict
         try:
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
             row = {"local_params": tr.describe()["local_params"]}
-            metrics = [tr.train_step() for _ in range(steps)]
-            # gloo may free an asynchronous collective's buffers late on a busy machine (see
-            # tests/test_plan.py): of the last two steps, which run the same tensors, the lower.
-            row["peak_mb"] = min(max(m["peak_mb"].values()) for m in metrics[-2:])
+            row["peak_mb"] = steady_peak_mb([tr.train_step() for _ in range(steps)])
             if label in forward:
                 ((_, model),) = tr.stages
                 x, y = tr.stream.batch(0, cfg.train.micro_batch_size)
-                with tr.memory.step():
-                    tr.memory.phase(0, "forward")
-                    with tr._step_context():
-                        loss = tr.loss_fn(model(x), y)
-                        row["saved"] = _by_category(tr.memory.tracker._curr_mem_snap)["Activation"]
-                        loss.backward()
-                del loss
+                saved = []
+                for _ in range(2):  # the lower of two, each read once gloo has settled
+                    with tr.memory.step():
+                        tr.memory.phase(0, "forward")
+                        with tr._step_context():
+                            loss = tr.loss_fn(model(x), y)
+                            settled()
+                            saved.append(_by_category(tr.memory.tracker._curr_mem_snap)["Activation"])
+                            loss.backward()
+                    del loss
+                row["saved"] = min(saved)
             out[label] = row
             del tr
         except Exception as exc:
@@ -215,7 +215,7 @@ def measured():
         by_world.setdefault(Topology(t.dp, t.pp, t.tp).world_size, {})[label] = cfg
     out: dict[str, list[dict]] = {}
     for group in by_world.values():
-        ranks = run_configs(measure, group, 3, FORWARD)
+        ranks = run_configs(measure, group, 4, FORWARD)
         for label in group:
             out[label] = [r[label] for r in ranks]
     return cfgs, out

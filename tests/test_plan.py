@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from distributed import run_configs, train_many
+from distributed import run_configs, steady_peak_mb, train_many
 from test_cli import REPO, assert_one_line_error, run_cli
 
 from rayhybrid.config.compose import load_config
@@ -286,14 +286,9 @@ def test_predicted_memory_matches_the_measured_peaks():
         by_world.setdefault(Topology(cfg.topology.dp, cfg.topology.pp, cfg.topology.tp).world_size, {})[label] = cfg
     measured: dict[str, list[float]] = {}
     for group in by_world.values():
-        ranks = run_configs(train_many, group, 3)
+        ranks = run_configs(train_many, group, 4)
         for label in group:
-            # The highest peak of a rank's step (any stage and phase), of the last two steps the
-            # lower: gloo's threads free the buffers of DTensor's asynchronous collectives when
-            # their work completes, which on a busy machine can be after the next micro-batch's
-            # backward has begun (seen once in about ten runs: tp2 +0.375 MB, a micro-batch's
-            # gathered logits and their shard). Steps 2 and 3 run the same tensors.
-            measured[label] = [min(max(step["peak_mb"].values()) for step in steps[label][-2:]) for steps in ranks]
+            measured[label] = [steady_peak_mb(steps[label]) for steps in ranks]
 
     lines, misses = [], []
     for label, _, tol in MEMORY_CASES:
