@@ -161,15 +161,32 @@ def latest(root: Store | str | os.PathLike) -> Checkpoint | None:
     return None
 
 
-def retain(store: Store, keep: int) -> list[str]:
+def best(root: Store | str | os.PathLike) -> Checkpoint | None:
+    """The committed, complete checkpoint with the lowest held-out loss (`val_loss` in its
+    marker: the step was evaluated, see eval.every); the newest of equals. None without one."""
+    store = as_store(root)
+    found = []
+    for path in committed(store):
+        try:
+            ckpt = check(store, path)
+        except ValueError:
+            continue
+        if isinstance(ckpt.meta.get("val_loss"), (int, float)):
+            found.append(ckpt)
+    return min(found, key=lambda c: (c.meta["val_loss"], -c.step), default=None)
+
+
+def retain(store: Store, keep: int, keep_best: bool = False) -> list[str]:
     """After a commit (no other save in flight): delete every uncommitted directory, and all but
-    the newest `keep` committed ones (0: keep all). Returns what was deleted."""
+    the newest `keep` committed ones (0: keep all) and, with `keep_best`, the one with the
+    lowest val_loss (`best`). Returns what was deleted."""
     gone = []
     paths = step_dirs(store)
     done = [p for p in paths if store.fs.exists(f"{p}/{META}")]
     gone += [p for p in paths if p not in done]
     if keep > 0:
-        gone += done[:-keep]
+        kept = best(store) if keep_best else None
+        gone += [p for p in done[:-keep] if kept is None or step_of(p) != kept.step]
     if store.local and os.path.isdir(store.root):
         gone += [os.path.join(store.root, n) for n in os.listdir(store.root) if n.startswith(LEGACY_TMP_PREFIX)]
     for path in gone:

@@ -168,12 +168,15 @@ class Controller:
             return s.to_dict()
         floor = s.workers.get("loss_floor")
         log.info(
-            "done: %d steps in %.1fs, loss %s -> %s%s%s; summary in %s",
+            "done: %d steps in %.1fs, loss %s -> %s%s%s%s; summary in %s",
             s.steps,
             s.wall_s,
             _fmt(s.initial_loss),
             _fmt(s.final_loss),
             f" (floor {floor:.4f})" if floor is not None else "",
+            f", val_loss {s.final_val_loss:.4f} (best {s.best_val_loss:.4f} at step {s.best_val_step})"
+            if s.final_val_loss is not None
+            else "",
             f", {s.restarts} restart(s)" if s.restarts else "",
             self.log.dir / "summary.json",
         )
@@ -642,6 +645,17 @@ class Controller:
     def _close(self, started_ray: bool) -> None:
         s = self.summary
         s.finish(self.log.history)
+        if self.cfg.checkpoint.keep_best and self.store is not None:
+            try:
+                best = checkpoint_store.best(self.store)
+            except OSError as err:  # the store is unreachable: the summary goes without it
+                log.warning("could not look up the best checkpoint: %s", err)
+                best = None
+            if best is not None:
+                s.best_checkpoint = redact_url(best.path)
+                log.info(
+                    "best checkpoint: %s (step %d, val_loss %.4f)", s.best_checkpoint, best.step, best.meta["val_loss"]
+                )
         s.wall_s = round(time.perf_counter() - self.log.started, 3)
         figures = s.to_dict()
         before = set(figures)

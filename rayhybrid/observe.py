@@ -1,5 +1,6 @@
 """What the driver adds to a run's outputs: FLOP/s and MFU per step, trace.json, TensorBoard
-event files and loss.png (the step metrics themselves come from the workers).
+event files and loss.png with the held-out loss (the step metrics themselves come from the
+workers).
 
     observer = Observer(cfg, run_dir)
     observer.started(placement, device_name)      # once the workers describe themselves
@@ -79,6 +80,8 @@ class Observer:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "mfu", "bubble", "dp"):
                 if metrics.get(key) is not None:
                     self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
+            if metrics.get("val_loss") is not None:
+                self.writer.add_scalar("val/loss", metrics["val_loss"], metrics["step"])
             for key, mb in (metrics.get("peak_mb") or {}).items():
                 self.writer.add_scalar(f"memory_mb/{key}", mb, metrics["step"])
         return metrics
@@ -127,6 +130,14 @@ def loss_plot(history: list[dict], floor: float | None, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([m["step"] for m in history], [m["loss"] for m in history], label="loss")
+    evaluated = [m for m in history if m.get("val_loss") is not None]
+    if evaluated:
+        ax.plot(
+            [m["step"] for m in evaluated],
+            [m["val_loss"] for m in evaluated],
+            marker="o",
+            label="val_loss (held-out)",
+        )
     if floor is not None:
         ax.axhline(floor, color="gray", linestyle="--", label=f"data's loss floor {floor:.3f}")
     ax.set_xlabel("step")

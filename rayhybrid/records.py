@@ -51,6 +51,10 @@ class StepMetrics(TypedDict, total=False):
     peak_mb: dict[str, float]
     """metrics.memory: "rank<r>/stage<s>/<phase>" -> MB."""
     activation_mb: dict[str, float]
+    val_loss: float
+    """The held-out loss after this step (eval.every; absent on other steps)."""
+    eval_s: float
+    """Seconds the evaluation took (not in step_time_s)."""
     tflops: float
     mfu: float | None
     time: float
@@ -135,6 +139,12 @@ class RunSummary:
     steps: int = 0
     initial_loss: float | None = None
     final_loss: float | None = None
+    final_val_loss: float | None = None
+    """The last held-out loss evaluated (eval.every), and the lowest with its step."""
+    best_val_loss: float | None = None
+    best_val_step: int | None = None
+    best_checkpoint: str | None = None
+    """checkpoint.keep_best: the kept checkpoint with the lowest val_loss."""
     consumed_samples: int | None = None
     mean_tokens_per_s: float | None = None
     restarts: int = 0
@@ -165,11 +175,27 @@ class RunSummary:
             self.consumed_samples = last["consumed_samples"]
         elif self.resumed_step is not None:
             self.steps = self.resumed_step
+        evaluated = [m for m in history if m.get("val_loss") is not None]
+        if evaluated:
+            self.final_val_loss = evaluated[-1]["val_loss"]
+            best = min(evaluated, key=lambda m: m["val_loss"])
+            self.best_val_loss, self.best_val_step = best["val_loss"], best["step"]
         self.mean_tokens_per_s = mean_throughput(history)
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("workers", "figures")}
-        for optional in ("startup_s", "train_s", "resumed_from", "resumed_step", "last_checkpoint", "error"):
+        for optional in (
+            "startup_s",
+            "train_s",
+            "resumed_from",
+            "resumed_step",
+            "last_checkpoint",
+            "error",
+            "final_val_loss",
+            "best_val_loss",
+            "best_val_step",
+            "best_checkpoint",
+        ):
             if out[optional] is None:
                 del out[optional]
         return {**out, **self.workers, **self.figures}
@@ -227,9 +253,10 @@ class RunLog:
         self.history.append(metrics)
         self._write(metrics)
         step, total = metrics["step"], self.cfg.train.steps
-        if step % self.cfg.train.log_every == 0 or step == total or step == 1:
+        evaluated = metrics.get("val_loss") is not None
+        if step % self.cfg.train.log_every == 0 or step == total or step == 1 or evaluated:
             self.bar.clear()
-            extra = "".join(
+            extra = (f" | val_loss {metrics['val_loss']:.4f}" if evaluated else "") + "".join(
                 f" | {name} {metrics[key]:.1%}"
                 for key, name in (("mfu", "MFU"), ("bubble", "bubble"))
                 if metrics.get(key) is not None

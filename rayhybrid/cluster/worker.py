@@ -141,8 +141,17 @@ class TrainWorker:
         return self.trainer.step
 
     def train(self, steps: int = 1, inject: str | None = None) -> list[dict]:
-        """Train `steps` steps; `inject`: a `fault.inject` kind to trigger first (kill, hang, raise)."""
-        return self._guarded(self._injected(inject, lambda: [self.trainer.train_step() for _ in range(steps)]))
+        """Train `steps` steps, each followed by the held-out loss when eval.every says so;
+        `inject`: a `fault.inject` kind to trigger first (kill, hang, raise)."""
+        return self._guarded(self._injected(inject, lambda: [self._step() for _ in range(steps)]))
+
+    def _step(self) -> dict:
+        metrics = self.trainer.train_step()
+        if self.cfg.eval.due(metrics["step"], self.cfg.train.steps):
+            start = time.perf_counter()
+            metrics["val_loss"] = self.trainer.evaluate()
+            metrics["eval_s"] = time.perf_counter() - start
+        return metrics
 
     def _injected(self, kind: str | None, fn):
         """`fn`, preceded by the injected fault `kind` (if any) in this process."""

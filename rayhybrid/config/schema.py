@@ -123,10 +123,17 @@ class DataConfig:
     """text: a file, a directory of *.txt files or a glob; tokens: a .bin/.npy file of token ids."""
     token_dtype: str = "uint16"
     """tokens: dtype of a raw .bin file (a .npy file carries its own)."""
+    # held-out data for eval.* (synthetic data needs none: it draws an independent stream)
+    val_path: str = ""
+    """text, tokens: held-out data in the same form as data.path, which training never reads."""
+    val_fraction: float = 0.0
+    """text, tokens (without data.val_path): hold out this tail fraction of data.path's tokens
+    for evaluation; training reads only the rest. 0: none."""
 
-    def text_files(self) -> list[str]:
-        """`path` as a list of files: a file, a directory (its *.txt, recursively) or a glob."""
-        path = os.path.expanduser(self.path)
+    def text_files(self, path: str | None = None) -> list[str]:
+        """`path` (default: data.path) as a list of files: a file, a directory (its *.txt,
+        recursively) or a glob."""
+        path = os.path.expanduser(self.path if path is None else path)
         if os.path.isdir(path):
             return sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
         if any(ch in path for ch in "*?["):
@@ -183,6 +190,9 @@ class CheckpointConfig:
     """Save every N optimizer steps (and at the end); 0: never."""
     keep: int = 2
     """How many published checkpoints to keep; 0: all."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest val_loss (needs eval.every, and checkpoint.every
+    a multiple of it, so every checkpoint has one)."""
 
     def due(self, step: int, steps: int) -> bool:
         """Whether a checkpoint is saved after `step` of a run of `steps` steps."""
@@ -228,6 +238,48 @@ class ElasticConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0
+    """Evaluate the loss on held-out data every N optimizer steps and after the last; 0: never."""
+    batches: int = 4
+    """Held-out batches per evaluation, of train.global_batch_size sequences each: the same ones
+    every time (val_loss is comparable across steps, runs and topologies)."""
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether the held-out loss is evaluated after `step` of a run of `steps` steps."""
+        return self.every > 0 and (step % self.every == 0 or step == steps)
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (pip install 'rayhybrid[wandb]'); the driver logs, the workers never do."""
+
+    enabled: bool = False
+    project: str = "rayhybrid"
+    entity: str = ""
+    """Team or user; empty: the API key's default entity."""
+    mode: str = "online"
+    """online, or offline (written under <run dir>/wandb; upload later with `wandb sync`)."""
+    name: str = ""
+    """Run name; empty: the run directory's name."""
+    group: str = ""
+    tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MLflowConfig:
+    """MLflow (pip install 'rayhybrid[mlflow]'); the driver logs, the workers never do."""
+
+    enabled: bool = False
+    tracking_uri: str = ""
+    """A tracking server (http://host:5000), databricks, or a local file:/path store; empty:
+    MLFLOW_TRACKING_URI, else file:./mlruns."""
+    experiment: str = "rayhybrid"
+    run_name: str = ""
+    """Run name; empty: the run directory's name."""
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     memory: bool = False
     """Measure peak memory per pipeline stage and phase (forward, backward, optimizer) every
@@ -240,6 +292,8 @@ class MetricsConfig:
     """Peak TFLOP/s of one device, for MFU; 0: from a table of known GPUs (none on CPU)."""
     tensorboard: bool = False
     """Also log the step metrics for TensorBoard, into <run dir>/tensorboard."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
 
 
 @dataclass(frozen=True)
@@ -276,6 +330,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     seed: int = 0

@@ -26,6 +26,7 @@ def _positive(cfg: Config) -> None:
         "cluster": ("cpus_per_rank", "torch_threads", "placement_timeout_s", "connect_timeout_s"),
         "fault": ("step_timeout_s",),
         "elastic": ("min_dp", "reschedule_timeout_s"),
+        "eval": ("batches",),
     }
     for section, names in sections.items():
         for name in names:
@@ -43,6 +44,7 @@ def _positive(cfg: Config) -> None:
         ("checkpoint", "keep"),
         ("fault", "max_restarts"),
         ("elastic", "max_dp"),
+        ("eval", "every"),
     ):
         value = getattr(getattr(cfg, section), name)
         if value < 0:
@@ -106,6 +108,85 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 "data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob"
             )
+    _held_out(cfg)
+
+
+def _held_out(cfg: Config) -> None:
+    """eval.*, data.val_path / data.val_fraction and checkpoint.keep_best agree, and each
+    stream evaluation or training reads holds at least one window."""
+    d, ev, ck = cfg.data, cfg.eval, cfg.checkpoint
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}; e.g. data.val_fraction=0.01")
+    if d.name == "synthetic":
+        for name, value in (("val_path", d.val_path), ("val_fraction", d.val_fraction)):
+            if value:
+                raise ConfigError(
+                    f"data.{name}",
+                    f"synthetic data holds out a stream of its own (an independent seed); remove data.{name}",
+                )
+    elif d.val_path and d.val_fraction:
+        raise ConfigError(
+            "data.val_fraction", "data.val_path is the held-out data already; set data.val_path or data.val_fraction"
+        )
+    elif ev.every and not (d.val_path or d.val_fraction):
+        raise ConfigError(
+            "eval.every",
+            f"evaluation needs held-out data for data={d.name}: set data.val_path=<{d.name} not trained on> "
+            "or data.val_fraction=0.01 (the tail of data.path), or eval.every=0",
+        )
+    if d.name in ("text", "tokens") and (d.path or d.val_path):
+        _windows(cfg)
+    if ck.keep_best:
+        if not ev.every:
+            raise ConfigError("checkpoint.keep_best", "needs a held-out loss to compare: set eval.every=N")
+        if not ck.every or ck.every % ev.every:
+            raise ConfigError(
+                "checkpoint.keep_best",
+                f"every checkpoint needs a val_loss: make checkpoint.every={ck.every} a multiple of eval.every={ev.every}",
+            )
+
+
+def _windows(cfg: Config) -> None:
+    """Enough tokens for one window (data.seq_len + 1) in data.path's training part and in the
+    held-out data, counted without reading them (file sizes, a .npy header)."""
+    d, need = cfg.data, cfg.data.seq_len + 1
+    train = _token_count(d, d.path)
+    if d.val_path:
+        held = _token_count(d, d.val_path)
+        if held is None:
+            what = "no text file" if d.name == "text" else "no file"
+            raise ConfigError("data.val_path", f"{d.val_path!r} matches {what}; give held-out data like data.path's")
+        if held < need:
+            raise ConfigError(
+                "data.val_path",
+                f"{d.val_path!r} holds {held} tokens, fewer than data.seq_len + 1 = {need}; give more held-out data",
+            )
+    elif d.val_fraction and train is not None:
+        from rayhybrid.trainer.data import split_point
+
+        cut = split_point(train, d.val_fraction)
+        if train - cut < need or cut < need:
+            raise ConfigError(
+                "data.val_fraction",
+                f"{d.val_fraction:g} of {train} tokens leaves {train - cut} held out and {cut} to train on; "
+                f"each needs data.seq_len + 1 = {need}: change data.val_fraction or give data.val_path",
+            )
+
+
+def _token_count(d, path: str) -> int | None:
+    """Tokens in `path` as data.name reads it (text: bytes, with a separator between files);
+    None when there is nothing there."""
+    if d.name == "text":
+        files = d.text_files(path)
+        return sum(os.path.getsize(f) for f in files) + len(files) - 1 if files else None
+    import numpy as np
+
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        return None
+    if path.endswith(".npy"):
+        return int(np.load(path, mmap_mode="r").size)
+    return os.path.getsize(path) // np.dtype(d.token_dtype).itemsize
 
 
 def _model(cfg: Config) -> None:

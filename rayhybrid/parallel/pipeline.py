@@ -14,6 +14,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import (
+    _add_send_recv,
+    _add_unshard_reshard,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+)
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -51,3 +57,36 @@ def build_schedule(
         (stage,) = pipeline_stages
         return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def forward_only(schedule, *args, **kwargs) -> None:
+    """One forward-only pass of the whole batch through `schedule` (evaluation): torch's
+    `schedule.eval`, which runs the schedule without its backward. The multi-stage schedules
+    (interleaved, zero bubble, ZBV) are lowered from an action list whose backward actions
+    `eval` still visits, and ZBV's, which hands a gradient between the two stages a rank holds,
+    fails there (torch 2.13: "can't steal_bwd_input if this stage doesn't have backward"). For
+    those the pass runs a list of the forward actions alone, in the schedule's own order
+    (lowered once, with its sends and receives), and the training list is put back after."""
+    if not isinstance(schedule, _PipelineScheduleRuntime):
+        schedule.eval(*args, **kwargs)
+        return
+    training = schedule.pipeline_order_with_comms
+    forward = getattr(schedule, "_forward_only_order", None)
+    if forward is None:
+        compute = {
+            rank: [a for a in actions if a is not None and a.computation_type == _ComputationType.FORWARD]
+            for rank, actions in schedule.pipeline_order.items()
+        }
+        # torch's lowering (`_prepare_schedule_with_comms`) validates that every micro-batch
+        # has its backward; its steps, without that check.
+        forward = _add_send_recv(
+            {rank: _add_unshard_reshard(actions) for rank, actions in compute.items()},
+            stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s],
+            num_stages=schedule._num_stages,
+        )
+        schedule._forward_only_order = forward
+    schedule.pipeline_order_with_comms = forward
+    try:
+        schedule.eval(*args, **kwargs)
+    finally:
+        schedule.pipeline_order_with_comms = training

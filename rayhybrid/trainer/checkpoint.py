@@ -115,11 +115,14 @@ class Saver:
     close() -> abandon a save in flight: it is never committed (a failed or rebuilt world)
     """
 
-    def __init__(self, trainer, root: str, options: dict | None, keep: int, async_save: bool) -> None:
+    def __init__(
+        self, trainer, root: str, options: dict | None, keep: int, async_save: bool, keep_best: bool = False
+    ) -> None:
         self.trainer = trainer
         self.root = root
         self.store = Store.open(root, options)
         self.keep = keep
+        self.keep_best = keep_best  # checkpoint.keep_best: retention spares the lowest val_loss
         self.rank = dist.get_rank()
         self.group = trainer.world_group
         self.upload_group = trainer.upload_group if async_save else None
@@ -152,7 +155,7 @@ class Saver:
                 dcp.save(state, storage_writer=out, process_group=self.group)  # every rank's data and .metadata
             if self.rank == 0:
                 checkpoint_store.commit(store, path, meta)
-                checkpoint_store.retain(store, self.keep)
+                checkpoint_store.retain(store, self.keep, self.keep_best)
             end = time.perf_counter()
             return {**record, "blocked_s": end - start, "upload_s": end - written, "finished": finished}
         upload = dcp.async_save(state, storage_writer=out, process_group=self.upload_group)
@@ -174,7 +177,7 @@ class Saver:
             if self.rank == 0:
                 try:
                     checkpoint_store.commit(self.store, path, meta)
-                    checkpoint_store.retain(self.store, self.keep)
+                    checkpoint_store.retain(self.store, self.keep, self.keep_best)
                 except Exception as err:  # noqa: BLE001 - reported to the driver, never committed
                     return {**record, "error": one_line(err)}
         return {**record, "upload_s": time.perf_counter() - staged}

@@ -7,6 +7,7 @@ and resize need only `consumed_samples`.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -17,9 +18,12 @@ import torch
 
 from rayhybrid.config.schema import DataConfig
 
+HELD_OUT = 0x4E1D
+"""Mixed into the seed of every held-out sample (`held_out`): a stream independent of training's."""
 
-def _rng(seed: int, index: int) -> np.random.Generator:
-    return np.random.default_rng([seed, index])
+
+def _rng(seed: int, index: int, key: tuple[int, ...] = ()) -> np.random.Generator:
+    return np.random.default_rng([seed, *key, index])
 
 
 class SampleStream:
@@ -47,6 +51,7 @@ class MarkovStream(SampleStream):
         rng = np.random.default_rng([seed, 0x5EED])
         self.seq_len = seq_len
         self.seed = seed
+        self.key: tuple[int, ...] = ()  # (HELD_OUT,): the held-out stream of the same chain
         k = min(branching, vocab_size)
         self.successors = np.stack([rng.choice(vocab_size, size=k, replace=False) for _ in range(vocab_size)])
         probs = rng.dirichlet(np.ones(k), size=vocab_size)
@@ -58,8 +63,15 @@ class MarkovStream(SampleStream):
         entropy = -(probs * np.log(np.clip(probs, 1e-300, None))).sum(axis=1)
         self.loss_floor = float(self.stationary @ entropy)
 
+    def held_out(self) -> MarkovStream:
+        """The same chain, sampled from an independent seeded stream: sequences training never
+        reads (sample i of each comes from its own generator)."""
+        other = copy.copy(self)
+        other.key = (HELD_OUT,)
+        return other
+
     def sample(self, index: int) -> np.ndarray:
-        u = _rng(self.seed, index).random(self.seq_len + 1)
+        u = _rng(self.seed, index, self.key).random(self.seq_len + 1)
         out = np.empty(self.seq_len + 1, dtype=np.int64)
         state = int(np.searchsorted(self.stationary_cdf, u[0], side="right"))
         out[0] = state
@@ -89,10 +101,10 @@ class WindowStream(SampleStream):
     """Random windows of seq_len+1 tokens from one long token array (text bytes or token ids).
     Window start of sample i is drawn from a generator seeded by (seed, i)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str, setting: str = "data.path") -> None:
         if len(tokens) < seq_len + 1:
             raise ValueError(
-                f"data.path={source!r} holds {len(tokens)} tokens, fewer than data.seq_len + 1 = "
+                f"{setting}: {source!r} holds {len(tokens)} tokens, fewer than data.seq_len + 1 = "
                 f"{seq_len + 1}; give more data or lower data.seq_len"
             )
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
@@ -103,22 +115,54 @@ class WindowStream(SampleStream):
 
 
 def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
+    """The training stream. With data.val_fraction, text and token data train on the head of
+    data.path's tokens only (the tail is `build_held_out`'s)."""
     if cfg.name == "synthetic":
         return MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
+    tokens = _tokens(cfg, cfg.path, "data.path")
+    if not cfg.val_path and cfg.val_fraction > 0:
+        tokens = tokens[: split_point(len(tokens), cfg.val_fraction)]
+    return WindowStream(tokens, cfg.seq_len, seed, cfg.path)
+
+
+def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStream | None = None) -> SampleStream:
+    """The held-out stream evaluation reads: synthetic data's independent stream of the same
+    chain (`train`'s, when given: no second chain to build), data.val_path's tokens, or the tail
+    data.val_fraction of data.path's."""
+    if cfg.name == "synthetic":
+        chain = train if isinstance(train, MarkovStream) else MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
+        return chain.held_out()
+    if cfg.val_path:
+        tokens = _tokens(cfg, cfg.val_path, "data.val_path")
+        return WindowStream(tokens, cfg.seq_len, seed, cfg.val_path, setting="data.val_path")
+    if cfg.val_fraction <= 0:
+        raise ValueError(f"data={cfg.name} has no held-out data; set data.val_path or data.val_fraction")
+    tokens = _tokens(cfg, cfg.path, "data.path")
+    tail = tokens[split_point(len(tokens), cfg.val_fraction) :]
+    return WindowStream(tail, cfg.seq_len, seed, f"the last {cfg.val_fraction:g} of {cfg.path}", "data.val_fraction")
+
+
+def split_point(n_tokens: int, val_fraction: float) -> int:
+    """Where data.val_fraction's tail begins: training reads tokens [0, split), evaluation
+    [split, n). Whole windows never straddle it: each stream windows its own part."""
+    return n_tokens - round(n_tokens * val_fraction)
+
+
+def _tokens(cfg: DataConfig, path: str, setting: str) -> np.ndarray:
+    """`path` (data.path or data.val_path, named by `setting`) as one token array: text as
+    bytes, tokens as ids."""
     if cfg.name == "text":
-        files = cfg.text_files()
+        files = cfg.text_files(path)
         if not files:
             raise ValueError(
-                f"data.path={cfg.path!r} matches no text file; point it at a file, a directory of *.txt or a glob"
+                f"{setting}={path!r} matches no text file; point it at a file, a directory of *.txt or a glob"
             )
         blob = b"\n".join(Path(f).read_bytes() for f in files)
-        return WindowStream(np.frombuffer(blob, dtype=np.uint8), cfg.seq_len, seed, cfg.path)
+        return np.frombuffer(blob, dtype=np.uint8)
     if cfg.name == "tokens":
-        if cfg.path.endswith(".npy"):
-            tokens = np.load(os.path.expanduser(cfg.path), mmap_mode="r")
-        else:
-            tokens = np.memmap(os.path.expanduser(cfg.path), dtype=np.dtype(cfg.token_dtype), mode="r")
-        return WindowStream(tokens, cfg.seq_len, seed, cfg.path)
+        if path.endswith(".npy"):
+            return np.load(os.path.expanduser(path), mmap_mode="r")
+        return np.memmap(os.path.expanduser(path), dtype=np.dtype(cfg.token_dtype), mode="r")
     raise ValueError(f"data.name={cfg.name!r} is unknown; use synthetic, text or tokens")
 
 

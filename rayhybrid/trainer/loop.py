@@ -23,9 +23,9 @@ from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
-from rayhybrid.parallel.pipeline import build_schedule
+from rayhybrid.parallel.pipeline import build_schedule, forward_only
 from rayhybrid.topology import Layout
-from rayhybrid.trainer.data import build_stream, replica_shard
+from rayhybrid.trainer.data import build_held_out, build_stream, replica_shard
 from rayhybrid.trainer.memory import MemoryMeter
 from rayhybrid.trainer.optim import build_optimizer, lr_at, set_lr
 from rayhybrid.trainer.timeline import Timeline
@@ -53,6 +53,8 @@ class Trainer:
         self.upload_group = dist.new_group(backend="gloo") if async_saves else None
         self.saver = None
         self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
+        self.held_out = None  # evaluation's stream, built on first use
+        self.val_loss: tuple[int, float] | None = None  # (step, loss) of the latest evaluation
         self.n_microbatches = self.layout.num_microbatches
         self.replica_tokens = self.layout.replica_batch_size * cfg.data.seq_len
         self.loss_parallel = t.use_loss_parallel(cfg.model.vocab_size)
@@ -104,6 +106,8 @@ class Trainer:
             "model": dataclasses.asdict(self.cfg.model),
             "seq_len": self.cfg.data.seq_len,
             "consumed_samples": self.consumed_samples,
+            # The held-out loss of this very step, when it was evaluated (checkpoint.keep_best).
+            **({"val_loss": self.val_loss[1]} if self.val_loss and self.val_loss[0] == self.step else {}),
             "global_batch_size": self.cfg.train.global_batch_size,
             "seed": self.cfg.seed,
             "topology": {"dp": t.dp, "pp": t.pp, "tp": t.tp, "schedule": t.schedule, "dp_shard": t.dp_shard},
@@ -117,7 +121,7 @@ class Trainer:
         ck = self.cfg.checkpoint
         if self.saver is None or self.saver.root != root or self.saver.keep != keep:
             self.close_checkpoints()
-            self.saver = Saver(self, root, ck.storage_options, keep, ck.async_save)
+            self.saver = Saver(self, root, ck.storage_options, keep, ck.async_save, ck.keep_best)
         return self.saver.save(die_after_write)
 
     def finished_checkpoints(self, wait: bool = False) -> list[dict]:
@@ -291,6 +295,47 @@ class Trainer:
             if self.schedule is None:
                 return self._forward_backward(inputs, targets)
             return self._forward_backward_pipeline(inputs, targets)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean token loss on the held-out data: `eval.batches` batches of the global
+        batch size, always the same samples, each replica reading its share as in training.
+        Forward only, under the training step's context (autocast, loss parallel) and through
+        the pipeline schedule's forward-only pass; the optimizer, its state, the gradients and
+        the training stream's position are not touched. Same value on every rank."""
+        cfg, t = self.cfg, self.cfg.topology
+        if self.held_out is None:
+            self.held_out = build_held_out(cfg.data, cfg.model.vocab_size, cfg.seed, self.stream)
+        meter, self.memory = self.memory, None  # what evaluation holds is not a training step's
+        global_batch = cfg.train.global_batch_size
+        total = torch.zeros((), device=self.device)
+        try:
+            for batch in range(cfg.eval.batches):
+                shard = replica_shard(batch * global_batch, global_batch, t.dp, self.coord.dp)
+                inputs = targets = None
+                if self.has_first or self.has_last:
+                    inputs, targets = self.held_out.batch(shard.start, shard.count)
+                    inputs, targets = inputs.to(self.device), targets.to(self.device)
+                with self._step_context():
+                    total += self._forward_only(inputs, targets)
+        finally:
+            self.memory = meter
+        loss = self._global_loss(total) / cfg.eval.batches
+        self.val_loss = (self.step, loss)
+        return loss
+
+    def _forward_only(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        """This rank's part of one replica batch's mean loss (non-zero on last stages only)."""
+        if self.schedule is None:
+            (_, model), n = self.stages[0], self.n_microbatches
+            return sum(_local(self.loss_fn(model(x), y)) for x, y in zip(inputs.chunk(n), targets.chunk(n)))
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        forward_only(self.schedule, *args, **kwargs)
+        if self.has_last:
+            return torch.stack([_local(x) for x in losses]).sum()
+        return torch.zeros((), device=self.device)
 
     def named_parameters(self):
         """(full-model name, parameter) for every parameter this rank holds."""

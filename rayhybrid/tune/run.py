@@ -29,7 +29,7 @@ log = logging.getLogger("rayhybrid")
 
 
 def trial_config(cfg: Config, point: dict) -> Config:
-    """The training config of one trial: the point's batch shape, memory metrics on."""
+    """The training config of one trial: the point's batch shape, memory metrics on, no evaluation."""
     t = cfg.topology
     mb, n = point["micro_batch_size"], point["num_microbatches"]
     return replace(
@@ -42,6 +42,7 @@ def trial_config(cfg: Config, point: dict) -> Config:
             "log_every": cfg.tune.steps,
         },
         metrics={"memory": True},
+        eval={"every": 0},  # a trial measures training steps; held-out loss is not its concern
     )
 
 
