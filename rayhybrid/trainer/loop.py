@@ -307,6 +307,7 @@ class Trainer:
         if self.held_out is None:
             self.held_out = build_held_out(cfg.data, cfg.model.vocab_size, cfg.seed, self.stream)
         meter, self.memory = self.memory, None  # what evaluation holds is not a training step's
+        self.timeline.begin_step(record=False)  # nor its spans (a traced step's are handed out)
         global_batch = cfg.train.global_batch_size
         total = torch.zeros((), device=self.device)
         try:
