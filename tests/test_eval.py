@@ -124,6 +124,25 @@ def test_a_config_error_from_the_cli_exits_2(tmp_path):
     ]
 
 
+def test_loss_plot_draws_the_held_out_points(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from rayhybrid.observe import loss_plot
+
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "plot",
+        lambda ax, x, y, **kw: drawn.append((kw.get("label"), list(x), list(y))) or plot(ax, x, y, **kw),
+    )
+    history = [
+        {"step": s, "loss": 5.0 - s / 10, **({"val_loss": 4.0 - s / 10} if s % 2 == 0 else {})} for s in range(1, 6)
+    ]
+    assert loss_plot(history, None, tmp_path / "loss.png").stat().st_size > 0
+    assert drawn[-1] == ("val_loss (held-out)", [2, 4], [3.8, 3.6])
+
+
 # ------------------------------------------------------------------------------------------
 # checkpoint.keep_best's retention
 
@@ -300,7 +319,7 @@ def test_a_recovered_and_a_resumed_run_report_the_same_val_loss(reference, tmp_p
 
 
 @pytest.mark.slow
-def test_text_data_held_out_tail_and_keep_best(local_ray, tmp_path):
+def test_text_data_held_out_tail_and_keep_best(local_ray, tmp_path, caplog):
     """Byte-level text with data.val_fraction, checkpoint.keep=1 and keep_best: a learning rate
     that grows until training diverges makes the held-out loss rise after step 3 (seen: 4.88,
     6.28, 8.48 at steps 3, 6, 9), so that step's checkpoint is kept beside the newest, and
@@ -333,3 +352,9 @@ def test_text_data_held_out_tail_and_keep_best(local_ray, tmp_path):
     assert [cs.step_of(p) for p in cs.committed(Store.open(tmp_path / "run" / "checkpoints"))] == kept
     assert summary["best_checkpoint"].endswith(cs.name_for(best)) and summary["best_val_step"] == best
     assert best == 3, vals
+    lines = [r.getMessage() for r in caplog.records if r.name == "rayhybrid"]
+    assert [line.split("|")[-1].strip() for line in lines if line.startswith("step ") and "val_loss" in line] == [
+        f"val_loss {vals[step]:.4f}" for step in (3, 6, 9)
+    ]
+    assert f"best checkpoint: {summary['best_checkpoint']} (step 3, val_loss {vals[3]:.4f})" in lines
+    assert f"val_loss {vals[9]:.4f} (best {vals[3]:.4f} at step 3)" in lines[-1]
