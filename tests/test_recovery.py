@@ -21,6 +21,7 @@ from rayhybrid.controller import RunFailed
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 
 COMMON = ["train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=32", "checkpoint.every=3"]
+EVAL = ["eval.every=3", "eval.batches=2"]  # the held-out loss, at every checkpoint step
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,10 +32,21 @@ def local_ray():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Uninterrupted losses on one rank (parity makes them the same for every topology)."""
-    summary = rayhybrid.train([*COMMON, "train.steps=12"], run_dir=tmp_path_factory.mktemp("ref"))
-    return losses(Path(summary["run_dir"]))
+def reference_dir(tmp_path_factory) -> Path:
+    """An uninterrupted run on one rank (parity makes its losses those of every topology)."""
+    summary = rayhybrid.train([*COMMON, *EVAL, "train.steps=12"], run_dir=tmp_path_factory.mktemp("ref"))
+    return Path(summary["run_dir"])
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir):
+    return losses(reference_dir)
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    """Step -> the held-out loss evaluated after it (eval.every)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -79,9 +91,11 @@ def in_background(overrides: list[str], run_dir: Path) -> tuple[threading.Thread
     return thread, result
 
 
-def test_sigkill_of_a_rank_mid_run(tmp_path, reference):
+def test_sigkill_of_a_rank_mid_run(tmp_path, reference, reference_dir):
+    """dp2_pp2_tp2, evaluating every 3 steps: rank 5 is SIGKILLed; the recovered run ends with
+    the losses and held-out losses of an uninterrupted one-rank run."""
     run_dir = tmp_path / "run"
-    thread, result = in_background(["+topology=dp2_pp2_tp2", *COMMON, "train.steps=12"], run_dir)
+    thread, result = in_background(["+topology=dp2_pp2_tp2", *COMMON, *EVAL, "train.steps=12"], run_dir)
     when_step(run_dir, 5)
     pids_before = [w["pid"] for w in json.loads((run_dir / "workers.json").read_text())]
     signal_rank(run_dir, 5, signal.SIGKILL)
@@ -99,6 +113,9 @@ def test_sigkill_of_a_rank_mid_run(tmp_path, reference):
         assert recovery[key] >= 0, key
     assert events(run_dir, "restart")[0]["restart"] == 1
     assert losses(run_dir) == pytest.approx(reference, rel=1e-5)
+    expected = val_losses(reference_dir)
+    assert sorted(expected) == [3, 6, 9, 12]
+    assert val_losses(run_dir) == pytest.approx(expected, rel=1e-5)  # after the recovery too
     names = sorted(os.listdir(run_dir / "checkpoints"))
     assert names == [checkpoint_store.name_for(9), checkpoint_store.name_for(12)]  # keep=2, no temporaries
 
