@@ -41,6 +41,7 @@ from rayhybrid.policy import Failure, FailurePolicy, ScalingPolicy
 from rayhybrid.records import Interruption, RunLog, RunSummary
 from rayhybrid.storage import Store, redact_url
 from rayhybrid.topology import Layout
+from rayhybrid.tracking import Trackers
 
 __all__ = ["Controller", "RunFailed"]
 
@@ -142,6 +143,9 @@ class Controller:
         try:
             self.store = open_store(self.checkpoint_url, cfg.checkpoint.storage_options)
             self.summary.checkpoint_dir = self.store.display
+            # Before Ray starts: a tracker that cannot start is a config error, found fast. A
+            # resumed run continues the tracker runs the checkpoint store names.
+            self.log.trackers = Trackers.open(cfg, self.log.dir, self.store)
             started_ray = connect(cfg)
             previous = _on_sigterm(self._request_stop)  # after ray.init, which installs its own
             state: State = Starting()

@@ -5,6 +5,7 @@
     log.interruption(interruption)          # a restart or resize, once its first step is done
     log.event(record)                       # checkpoint, resume, fault_injected
     log.close(summary)                      # summary.json
+    log.trackers = Trackers.open(...)       # W&B / MLflow get every record too (rayhybrid.tracking)
 
 `metrics.jsonl` holds one JSON object per line: a step record (has "loss"), or an event (has
 "event": resume, checkpoint, restart, resize, fault_injected). A step trained again after a
@@ -247,11 +248,15 @@ class RunLog:
         self.bar = ProgressBar(cfg.train.steps)
         self.history: list[StepMetrics] = []
         self.started = time.perf_counter()
+        self.trackers = None
+        """Experiment trackers (rayhybrid.tracking.Trackers) that get every record too."""
 
     def step(self, metrics: StepMetrics) -> None:
         metrics["time"] = time.time()  # wall clock when the driver had the step (for step-to-step intervals)
         self.history.append(metrics)
         self._write(metrics)
+        if self.trackers is not None:
+            self.trackers.step(metrics)
         step, total = metrics["step"], self.cfg.train.steps
         evaluated = metrics.get("val_loss") is not None
         if step % self.cfg.train.log_every == 0 or step == total or step == 1 or evaluated:
@@ -279,6 +284,8 @@ class RunLog:
     def event(self, record: dict) -> None:
         """A non-step record (has an "event" key)."""
         self._write(record)
+        if self.trackers is not None:
+            self.trackers.event(record)
 
     def interruption(self, intr: Interruption, summary: RunSummary) -> None:
         """A restart or resize whose first step is done: its records, in the summary too."""
@@ -336,6 +343,8 @@ class RunLog:
         self.metrics_file.close()
         data = summary.to_dict()
         self.write_json("summary.json", data, indent=2)
+        if self.trackers is not None:
+            self.trackers.close(data)
         return data
 
     def _write(self, record: dict) -> None:

@@ -12,6 +12,7 @@ from rayhybrid.config.schema import DATA_KINDS, DTYPES, SCHEDULES, Config
 from rayhybrid.errors import ConfigError
 from rayhybrid.fault import validate_faults
 from rayhybrid.topology import Layout
+from rayhybrid.tracking import validate as validate_tracking
 
 DECAYS = ("cosine", "linear", "constant")
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
@@ -94,6 +95,7 @@ def validate(cfg: Config) -> None:
         _batch_split(cfg, t.dp)
     validate_faults(cfg)
     _checkpoint_dir(cfg.checkpoint.dir)
+    validate_tracking(cfg)
 
     if d.name == "text" and m.vocab_size < 256:
         raise ConfigError(
