@@ -297,16 +297,28 @@ def test_val_loss_is_recorded_everywhere(reference):
 
 
 @pytest.mark.slow
-def test_a_recovered_and_a_resumed_run_report_the_same_val_loss(reference, tmp_path):
-    """pp2 zbv: rank 1 is killed at step 5 (recovery from step 3), and the run fails at step 8
-    with no restarts left; the same command resumes it from the checkpoint of step 6. (A
+def test_a_recovered_and_a_resumed_run_report_the_same_val_loss_and_track_one_run(reference, tmp_path):
+    """pp2 zbv, with W&B (offline) and MLflow (a file store) on: rank 1 is killed at step 5
+    (recovery from step 3), and the run fails at step 8 with no restarts left; the same command
+    resumes it from the checkpoint of step 6. The held-out losses are the uninterrupted run's,
+    and the two processes log into one W&B run and one MLflow run, every step once. (A
     recovery under dp2_pp2_tp2: tests/test_recovery.py's SIGKILL test.)"""
+    from test_tracking import history, mlflow_client, wandb_run
+
     import rayhybrid
     from rayhybrid.controller import RunFailed
 
     expected = val_losses(reference[0])
-    ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
-    zbv = ["+topology=pp2_zbv", *COMMON, ckpt]
+    trackers = [
+        "metrics.wandb.enabled=true",
+        "metrics.wandb.mode=offline",
+        "metrics.mlflow.enabled=true",
+        f"metrics.mlflow.tracking_uri={(tmp_path / 'mlruns').as_uri()}",
+    ]
+    # Synchronous saves: the checkpoint of step 6 is committed before step 7 starts (an upload
+    # still in flight when step 8 fails would be abandoned, and the resume would start at 3).
+    ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.async_save=false"]
+    zbv = ["+topology=pp2_zbv", *COMMON, *ckpt, *trackers]
     with pytest.raises(RunFailed):
         faults = ["fault.inject=[kill@5:1,raise@8]", "fault.max_restarts=1"]
         rayhybrid.train([*zbv, *faults], run_dir=tmp_path / "first")
@@ -314,6 +326,21 @@ def test_a_recovered_and_a_resumed_run_report_the_same_val_loss(reference, tmp_p
     resumed = rayhybrid.train(zbv, run_dir=tmp_path / "second")
     assert resumed["status"] == "completed" and resumed["resumed_step"] == 6
     assert val_losses(tmp_path / "second") == pytest.approx({9: expected[9], 12: expected[12]}, rel=1e-5)
+
+    # MLflow: one run, finished; the loss of every step once, the held-out loss of all four.
+    client = mlflow_client(tmp_path)
+    (run,) = client.search_runs([client.get_experiment_by_name("rayhybrid").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert sorted(history(client, run.info.run_id, "loss")) == list(range(1, 13))
+    assert history(client, run.info.run_id, "val_loss") == pytest.approx(expected, rel=1e-5)
+    assert list(history(client, run.info.run_id, "events/restart").values()) == [1.0]  # one restart
+    assert run.data.metrics["summary/final_val_loss"] == pytest.approx(expected[12], rel=1e-5)
+    # W&B: the second process continued the first's run: the same id, the steps after its last.
+    first, second = wandb_run(tmp_path / "first"), wandb_run(tmp_path / "second")
+    assert first["id"] == second["id"]
+    assert sorted(first["history"]) == list(range(1, 8)) and sorted(second["history"]) == list(range(8, 13))
+    assert second["history"][12]["val_loss"] == pytest.approx(expected[12], rel=1e-5)
+    assert (first["exit_code"], second["exit_code"]) == (1, 0)
 
 
 @pytest.mark.slow
