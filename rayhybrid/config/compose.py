@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,9 +20,10 @@ from rayhybrid.config.schema import Config
 from rayhybrid.errors import ConfigError
 
 CONFIG_NAME = "config"
-OPTIONAL_GROUPS = ("topology",)
+OPTIONAL_GROUPS = ("topology", "experiment", "debug")
 """Groups that are not in config.yaml's defaults list: `+topology=dp2` appends one;
-`topology=dp2` is accepted too and rewritten to the append form."""
+`topology=dp2` is accepted too and rewritten to the append form. `experiment` holds whole
+recipes and `debug` development settings (`+experiment=gpt3_xl_elastic`, `+debug=fast`)."""
 
 
 def conf_dir() -> str:
@@ -51,6 +53,8 @@ def _unfreeze(node: DictConfig) -> None:
 def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
+    if not OmegaConf.has_resolver(REQUIRED):
+        OmegaConf.register_new_resolver(REQUIRED, _raise_required)
     node = OmegaConf.structured(Config)
     _unfreeze(node)
     ConfigStore.instance().store(name="base_config", node=node)
@@ -97,6 +101,73 @@ def composition_error(err: Exception) -> ConfigError:
     return ConfigError("overrides", " ".join(dict.fromkeys(lines)))
 
 
+REQUIRED = "required"
+"""The resolver that marks a setting the user must give: `checkpoint.dir: ${required:}`, or with
+a hint for the error line, `${required:'a bucket every node reaches'}`. (`???` cannot: merged
+over a schema field that has a default, OmegaConf keeps the default.)"""
+_REQUIRED_VALUE = re.compile(r"^\$\{" + REQUIRED + r":\s*(.*?)\s*\}$", re.DOTALL)
+
+
+def _required_hint(value: object) -> str | None:
+    """The hint of a `${required:...}` value (empty without one); None for any other value."""
+    match = _REQUIRED_VALUE.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    hint = match.group(1)
+    return hint[1:-1] if len(hint) >= 2 and hint[0] == hint[-1] and hint[0] in "'\"" else hint
+
+
+def _required_error(keys: Sequence[str], hints: dict[str, str]) -> ConfigError:
+    first, rest = keys[0], keys[1:]
+    hint = f" ({hints[first]})" if hints.get(first) else ""
+    also = f", and so {'are' if len(rest) > 1 else 'is'} {', '.join(rest)}" if rest else ""
+    adds = " ".join(f"{key}=..." for key in keys)
+    return ConfigError(first, f"is required{hint}{also}; add {adds} to the command line")
+
+
+def _raise_required(hint: str = "", *, _node_) -> None:
+    """Resolving a `${required:}` that was never set (only `--cfg job --resolve` gets here:
+    `to_config` checks first)."""
+    key = _node_._get_full_key(None)
+    raise _required_error([key], {key: str(hint)})
+
+
+def missing_settings(cfg: DictConfig) -> tuple[list[str], dict[str, str]]:
+    """The settings still at `${required:...}` (or at `???` where the schema has no default), in
+    the config's order, and their hints."""
+    found: list[str] = []
+    hints: dict[str, str] = {}
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        for key in node:
+            name = f"{prefix}{key}"
+            child = node._get_node(key)
+            hint = _required_hint(child._value()) if child._is_interpolation() else None
+            if hint is not None:
+                found.append(name)
+                hints[name] = hint
+            elif child._is_missing():
+                found.append(name)
+            elif isinstance(child, DictConfig):
+                walk(child, f"{name}.")
+
+    walk(cfg, "")
+    return found, hints
+
+
+def _check_settings(cfg: DictConfig) -> None:
+    """Every top-level key is a section of the schema, and every required setting is given."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    for key in cfg:
+        if key not in fields:
+            raise ConfigError(
+                str(key), f"is not a setting of rayhybrid; remove it (the sections are: {', '.join(sorted(fields))})"
+            )
+    missing, hints = missing_settings(cfg)
+    if missing:
+        raise _required_error(missing, hints)
+
+
 def to_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Config:
     """Composed OmegaConf node (with or without the `hydra` key) -> frozen `Config`, with the
     shape of `model.init_from`'s Hugging Face config.json (rayhybrid/models/hf.py). `overrides`:
@@ -108,6 +179,7 @@ def to_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Config
             overrides = list(OmegaConf.select(cfg, "hydra.overrides.task", default=None) or [])
         OmegaConf.set_struct(cfg, False)
         cfg.pop("hydra")
+    _check_settings(cfg)
     try:
         obj = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as err:
