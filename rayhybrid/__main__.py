@@ -58,6 +58,48 @@ def task(node) -> None:
         sys.exit(1)
 
 
+def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
+    """The overrides of each job of a `--multirun` sweep, as Hydra's basic sweeper will run them
+    (`train.lr=1e-3,3e-3` -> two jobs; `range(...)`, `choice(...)` and `glob(...)` expand too).
+    None when another sweeper is chosen or the sweep uses a syntax only such a sweeper reads
+    (`interval(...)`): Hydra then checks the jobs itself. A malformed override: ConfigError."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, OverrideParseException
+
+    from rayhybrid.config.compose import conf_dir
+
+    if any(o.lstrip("+~").startswith(("hydra/sweeper", "hydra.sweeper")) for o in overrides):
+        return None
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(conf_dir()))
+    try:
+        parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
+    except OverrideParseException as err:
+        raise ConfigError("overrides", " ".join(line.strip() for line in str(err).splitlines()[:1])) from None
+    try:
+        (jobs,) = BasicSweeper.split_arguments(parsed, None)
+    except HydraException:
+        return None
+    return jobs
+
+
+def check_sweep(overrides: list[str]) -> None:
+    """Validate every job of a sweep before the first one starts: a bad value in the last job
+    fails now, in one line, not after the others have trained."""
+    from rayhybrid.config.compose import load_config
+
+    jobs = sweep_jobs(overrides)
+    for num, job in enumerate(jobs or ()):
+        try:
+            load_config(job)
+        except ConfigError as err:
+            shown = " ".join(o for o in job if not o.lstrip("+~").startswith("hydra"))
+            where = f" (sweep job #{num}: {shown})" if len(jobs) > 1 else ""
+            raise ConfigError(err.setting, f"{err.message}{where}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     import hydra
 
@@ -65,10 +107,15 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     multirun = any(a in ("-m", "--multirun") for a in argv)
-    if not multirun and not any(a.split("=")[0] in HYDRA_FLAGS_WITHOUT_RUN for a in argv):
-        # Fail fast, in one line, before Hydra creates a run directory or Ray starts.
+    if not any(a.split("=")[0] in HYDRA_FLAGS_WITHOUT_RUN for a in argv):
+        # Fail fast, in one line, before Hydra creates a run (or sweep) directory or Ray starts.
+        overrides = [a for a in argv if not a.startswith("-")]
         try:
-            load_config([a for a in argv if not a.startswith("-")])
+            if multirun:
+                register_schema()
+                check_sweep(normalize_overrides(overrides))
+            else:
+                load_config(overrides)
         except ConfigError as err:
             fail(err, CONFIG_EXIT_CODE)
     register_schema()
