@@ -112,6 +112,10 @@ def test_good_evaluation_settings_pass(tmp_path):
     assert cfg.eval.every == 5 and cfg.data.val_fraction == 0.1
     cfg = load_config(["eval.every=10", "checkpoint.every=20", "checkpoint.keep_best=true"])
     assert cfg.checkpoint.keep_best
+    # A token file that cannot be read is not counted here (no traceback): the workers that
+    # open it report what is wrong, as without held-out data (tests/test_recovery.py).
+    (tmp_path / "bad.npy").write_bytes(b"not a numpy file")
+    assert load_config(["data=tokens", f"data.path={tmp_path / 'bad.npy'}", "data.val_fraction=0.1"])
 
 
 def test_a_config_error_from_the_cli_exits_2(tmp_path):

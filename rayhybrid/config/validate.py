@@ -136,7 +136,7 @@ def _held_out(cfg: Config) -> None:
             f"evaluation needs held-out data for data={d.name}: set data.val_path=<{d.name} not trained on> "
             "or data.val_fraction=0.01 (the tail of data.path), or eval.every=0",
         )
-    if d.name in ("text", "tokens") and (d.path or d.val_path):
+    if d.name in ("text", "tokens") and (d.val_path or d.val_fraction):
         _windows(cfg)
     if ck.keep_best:
         if not ev.every:
@@ -177,7 +177,8 @@ def _windows(cfg: Config) -> None:
 
 def _token_count(d, path: str) -> int | None:
     """Tokens in `path` as data.name reads it (text: bytes, with a separator between files);
-    None when there is nothing there."""
+    None when there is nothing there, or nothing readable (the workers say what is wrong when
+    they open it)."""
     if d.name == "text":
         files = d.text_files(path)
         return sum(os.path.getsize(f) for f in files) + len(files) - 1 if files else None
@@ -186,9 +187,12 @@ def _token_count(d, path: str) -> int | None:
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         return None
-    if path.endswith(".npy"):
-        return int(np.load(path, mmap_mode="r").size)
-    return os.path.getsize(path) // np.dtype(d.token_dtype).itemsize
+    try:
+        if path.endswith(".npy"):
+            return int(np.load(path, mmap_mode="r").size)
+        return os.path.getsize(path) // np.dtype(d.token_dtype).itemsize
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _model(cfg: Config) -> None:
