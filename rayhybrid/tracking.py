@@ -57,6 +57,8 @@ SKIPPED_KEYS = ("step", "time", "samples")
 """Step record keys that are not metrics: the x axis, the wall clock (the trackers keep their
 own), the sample ranges read."""
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+BARE_URIS = ("databricks", "databricks-uc", "uc")
+"""Tracking URIs without a `:` that MLflow reads as a store, not as a path."""
 MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 WANDB_EXIT_CODE = {"completed": 0, "failed": 1, "interrupted": 130}
 """W&B marks a run finished for 0 and failed otherwise; 130 is the CLI's exit code when interrupted."""
@@ -148,10 +150,12 @@ def _wandb_credentials() -> bool:
 
 def mlflow_tracking_uri(cfg: Config) -> str:
     """metrics.mlflow.tracking_uri, else MLFLOW_TRACKING_URI, else `file:<cwd>/mlruns`; a plain
-    path (or a relative file: URI) becomes an absolute file: URI."""
+    path (or a relative file: URI) becomes an absolute file: URI; `databricks` stays as it is."""
     uri = cfg.metrics.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
     if not uri:
         return (Path.cwd() / "mlruns").as_uri()
+    if uri in BARE_URIS:
+        return uri
     parts = urlsplit(uri)
     if parts.scheme == "file":
         path = url2pathname(parts.path)

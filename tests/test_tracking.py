@@ -513,6 +513,7 @@ def test_mlflow_tracking_uri(tmp_path, monkeypatch):
     assert uri("runs/ml") == uri("file:runs/ml") == (tmp_path / "runs" / "ml").as_uri()
     assert uri("/srv/mlruns") == "file:///srv/mlruns"
     assert uri("http://mlflow:5000") == "http://mlflow:5000"
+    assert uri("databricks") == "databricks" and uri("databricks://profile") == "databricks://profile"  # not paths
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://elsewhere:5000")
     assert uri("") == "http://elsewhere:5000"
 
