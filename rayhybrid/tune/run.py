@@ -29,7 +29,8 @@ log = logging.getLogger("rayhybrid")
 
 
 def trial_config(cfg: Config, point: dict) -> Config:
-    """The training config of one trial: the point's batch shape, memory metrics on, no evaluation."""
+    """The training config of one trial: the point's batch shape, memory metrics on, no evaluation
+    (so no checkpoint.keep_best either: a trial saves no checkpoint)."""
     t = cfg.topology
     mb, n = point["micro_batch_size"], point["num_microbatches"]
     return replace(
@@ -43,6 +44,7 @@ def trial_config(cfg: Config, point: dict) -> Config:
         },
         metrics={"memory": True},
         eval={"every": 0},  # a trial measures training steps; held-out loss is not its concern
+        checkpoint={"keep_best": False},  # it needs eval.every
     )
 
 
