@@ -4,6 +4,7 @@ touching training, val_loss through a recovery and a resume, and checkpoint.keep
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -15,7 +16,7 @@ from distributed import run_configs
 
 from rayhybrid import checkpoint_store as cs
 from rayhybrid.config.compose import load_config
-from rayhybrid.config.schema import DataConfig, EvalConfig
+from rayhybrid.config.schema import DataConfig, EvalConfig, WandbConfig
 from rayhybrid.errors import ConfigError
 from rayhybrid.storage import Store
 from rayhybrid.trainer.data import MarkovStream, build_held_out, build_stream, split_point
@@ -182,6 +183,10 @@ def test_a_tune_trial_of_a_keep_best_config_is_valid():
     trial = trial_config(cfg, {"micro_batch_size": 2, "num_microbatches": 2, "activation_checkpointing": False})
     validate(trial)
     assert trial.eval.every == 0 and not trial.checkpoint.keep_best
+    # Nor do they log to experiment trackers (whose checks need W&B's key where a trial runs).
+    cfg = dataclasses.replace(cfg, metrics=dataclasses.replace(cfg.metrics, wandb=WandbConfig(enabled=True)))
+    trial = trial_config(cfg, {"micro_batch_size": 2, "num_microbatches": 2, "activation_checkpointing": False})
+    assert not trial.metrics.wandb.enabled and not trial.metrics.mlflow.enabled and trial.metrics.memory
 
 
 # ------------------------------------------------------------------------------------------

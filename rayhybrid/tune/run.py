@@ -30,7 +30,8 @@ log = logging.getLogger("rayhybrid")
 
 def trial_config(cfg: Config, point: dict) -> Config:
     """The training config of one trial: the point's batch shape, memory metrics on, no evaluation
-    (so no checkpoint.keep_best either: a trial saves no checkpoint)."""
+    (so no checkpoint.keep_best either: a trial saves no checkpoint), no experiment trackers (a
+    trial logs to none; their checks would need wandb, mlflow and a W&B key where it runs)."""
     t = cfg.topology
     mb, n = point["micro_batch_size"], point["num_microbatches"]
     return replace(
@@ -42,7 +43,11 @@ def trial_config(cfg: Config, point: dict) -> Config:
             "steps": cfg.tune.steps,
             "log_every": cfg.tune.steps,
         },
-        metrics={"memory": True},
+        metrics={
+            "memory": True,
+            "wandb": dataclasses.replace(cfg.metrics.wandb, enabled=False),
+            "mlflow": dataclasses.replace(cfg.metrics.mlflow, enabled=False),
+        },
         eval={"every": 0},  # a trial measures training steps; held-out loss is not its concern
         checkpoint={"keep_best": False},  # it needs eval.every
     )
