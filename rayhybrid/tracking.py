@@ -40,6 +40,7 @@ from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
+from rayhybrid import checkpoint_store
 from rayhybrid.config.schema import Config
 from rayhybrid.errors import ConfigError
 from rayhybrid.storage import Store, one_line, redact, redact_url, scrub, secret_values
@@ -613,7 +614,9 @@ class Trackers:
         settings = dataclasses.asdict(cfg)
         secrets = secret_values(settings, *_strings(settings))
         config = _scrubbed(flatten(redact(settings), "."), secrets)
-        saved = _read_state(store)
+        # Continue the runs tracking.json names only when there is a checkpoint to resume: a run
+        # that starts over from step 1 (its first attempt failed before a checkpoint) is new.
+        saved = _read_state(store) if store is not None and checkpoint_store.latest(store) is not None else {}
         trackers: list[_Tracker] = []
         try:
             if cfg.metrics.mlflow.enabled:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from rayhybrid import checkpoint_store as cs
 from rayhybrid.config.schema import (
     CheckpointConfig,
     Config,
@@ -193,6 +194,10 @@ def test_both_trackers_log_steps_events_and_summary_once_across_a_rewind_and_a_r
     assert saved["events"] == {"checkpoint": 1, "fault_injected": 1, "restart": 1}
 
     # The second process resumes from the checkpoint of step 6: steps 7 and 8 are trained again.
+    # (Without a committed checkpoint, a run starts over and so do its tracker runs: below.)
+    path = cs.begin(store, 6)
+    store.write_bytes(f"{path}/.metadata", b"m")
+    cs.commit(store, path, {"step": 6})
     second = Trackers.open(cfg, tmp_path / "run2", store)
     assert second.runs == first.runs
     second.event({"event": "resume", "step": 6, "checkpoint": "s3://AKIAXX:SECRETXX@bucket/x/step_00000006"})
@@ -391,6 +396,24 @@ def test_a_tracker_that_cannot_start_leaves_no_run_of_the_others_behind(tmp_path
     experiment = client.get_experiment_by_name("tests")
     assert client.search_runs([experiment.experiment_id]) == []  # the MLflow run just created is deleted
     assert not (tmp_path / "checkpoints" / TRACKING_FILE).exists()
+
+
+def test_a_run_that_starts_over_without_a_checkpoint_starts_a_new_tracker_run(tmp_path, monkeypatch):
+    """A first attempt that failed before its first checkpoint: the retry trains from step 1
+    again, so it gets a new MLflow run (with the old one's steps it would skip 1..3)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = config(tmp_path, mlflow={"enabled": True})
+    store = Store.open(tmp_path / "checkpoints")
+    first = Trackers.open(cfg, tmp_path / "run1", store)
+    for step in (1, 2, 3):
+        first.step(step_record(step, loss=5.0))
+    first.close({"status": "failed"})
+    assert (tmp_path / "checkpoints" / TRACKING_FILE).exists()
+    second = Trackers.open(cfg, tmp_path / "run2", store)
+    second.step(step_record(1, loss=4.0))
+    second.close({"status": "completed"})
+    assert second.runs["mlflow"] != first.runs["mlflow"]
+    assert history(mlflow_client(tmp_path), second.runs["mlflow"], "loss") == {1: 4.0}
 
 
 # -- no tracker, bad settings -----------------------------------------------------------------------
