@@ -443,7 +443,7 @@ class _MLflow(_Tracker):
         if saved and (saved.get("tracking_uri"), saved.get("experiment")) != (shown, ml.experiment):
             log.info("metrics.mlflow: tracking URI or experiment changed since tracking.json was written; a new run")
             saved = None
-        run = None
+        run = tracker = None
         try:
             if saved:
                 try:
@@ -468,6 +468,8 @@ class _MLflow(_Tracker):
                 tracker.earlier_events = tracker._download_json("events.json") or []
             tracker._log_params(config, run.data.params if not created else {})
         except Exception as err:  # noqa: BLE001
+            if tracker is not None:  # no run left behind, and its thread stops
+                tracker.abandon()
             raise ConfigError(
                 "metrics.mlflow", f"could not start the MLflow run at {shown} ({scrub(one_line(err), secrets)})"
             ) from None
@@ -579,12 +581,16 @@ class _MLflow(_Tracker):
         self.queue.put(STOP)
 
     def abandon(self) -> None:
+        """Another tracker could not start: a run this process created is deleted, one it
+        continued (set back to RUNNING) is ended as KILLED."""
         self.queue.put(STOP)
-        if self.created:
-            try:
+        try:
+            if self.created:
                 self.client.delete_run(self.run_id)
-            except Exception as err:  # noqa: BLE001
-                log.debug("metrics.mlflow: could not delete the run: %s", one_line(err))
+            else:
+                self.client.set_terminated(self.run_id, status="KILLED")
+        except Exception as err:  # noqa: BLE001
+            log.debug("metrics.mlflow: could not abandon the run: %s", one_line(err))
 
 
 class Trackers:

@@ -398,6 +398,20 @@ def test_a_tracker_that_cannot_start_leaves_no_run_of_the_others_behind(tmp_path
     assert not (tmp_path / "checkpoints" / TRACKING_FILE).exists()
 
 
+def test_an_mlflow_run_that_fails_half_way_through_its_start_is_not_left_behind(tmp_path, monkeypatch):
+    from rayhybrid import tracking
+
+    def refused(self, config, existing):
+        raise PermissionError("no permission to log parameters")
+
+    monkeypatch.setattr(tracking._MLflow, "_log_params", refused)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ConfigError, match="could not start the MLflow run .* no permission to log parameters"):
+        Trackers.open(config(tmp_path, mlflow={"enabled": True}), tmp_path / "run", None)
+    client = mlflow_client(tmp_path)
+    assert client.search_runs([client.get_experiment_by_name("tests").experiment_id]) == []
+
+
 def test_a_run_that_starts_over_without_a_checkpoint_starts_a_new_tracker_run(tmp_path, monkeypatch):
     """A first attempt that failed before its first checkpoint: the retry trains from step 1
     again, so it gets a new MLflow run (with the old one's steps it would skip 1..3)."""
