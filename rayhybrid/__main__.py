@@ -15,6 +15,17 @@ from pathlib import Path
 from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError, RayHybridError
 
 log = logging.getLogger("rayhybrid")
+# Hydra flags that change which config is composed (or take a separate value): the checks
+# before Hydra compose rayhybrid's own conf/ and would misjudge them, so Hydra checks alone.
+HYDRA_FLAGS_WITH_CONFIG = (
+    "--config-dir",
+    "-cd",
+    "--config-name",
+    "-cn",
+    "--config-path",
+    "-cp",
+    "--experimental-rerun",
+)
 HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc")
 
 
@@ -107,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     multirun = any(a in ("-m", "--multirun") for a in argv)
-    if not any(a.split("=")[0] in HYDRA_FLAGS_WITHOUT_RUN for a in argv):
+    flags = {a.split("=")[0] for a in argv if a.startswith("-")}
+    if not flags & {*HYDRA_FLAGS_WITHOUT_RUN, *HYDRA_FLAGS_WITH_CONFIG}:
         # Fail fast, in one line, before Hydra creates a run (or sweep) directory or Ray starts.
         overrides = [a for a in argv if not a.startswith("-")]
         try:

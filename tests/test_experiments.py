@@ -276,3 +276,22 @@ def test_a_multirun_sweeps_the_learning_rate_one_run_and_one_ray_per_job(tmp_pat
     # process would otherwise reuse the first one's (same node) or fail to start.
     assert nodes[0].isdisjoint(nodes[1])
     assert proc.stdout.count("done: 20 steps") == 2
+
+
+def test_a_recipe_from_the_users_own_config_dir_is_hydras_to_compose(tmp_path):
+    """`--config-dir DIR +experiment=mine`: the checks before Hydra compose rayhybrid's own
+    conf/ only, so with --config-dir they leave composing to Hydra (they used to take DIR for
+    an override: "Error parsing override"). Here the user's recipe sets train.steps=0, which
+    the run's own validation stops, in one line, before Ray."""
+    recipes = tmp_path / "conf" / "experiment"
+    recipes.mkdir(parents=True)
+    (recipes / "mine.yaml").write_text("# @package _global_\ntrain:\n  steps: 0\n")
+    proc = run_cli(
+        ["--config-dir", str(tmp_path / "conf"), "+experiment=mine", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "rayhybrid: error: train.steps: must be positive, got 0; set train.steps=1 or more"
+    )
