@@ -40,7 +40,7 @@ def test_synthetic_held_out_is_the_same_chain_from_an_independent_stream():
     assert not np.array_equal(held.sample(7), build_held_out(DataConfig(seq_len=32), 64, 4).sample(7))
 
 
-def test_val_fraction_splits_the_tokens_and_training_never_reads_the_tail(tmp_path):
+def test_val_fraction_splits_the_tokens_and_training_never_reads_the_tail(tmp_path, monkeypatch):
     path = tmp_path / "tokens.bin"
     np.arange(1000, dtype=np.uint16).tofile(path)  # token i at position i: a window says where it came from
     cfg = DataConfig(name="tokens", path=str(path), seq_len=16, val_fraction=0.1)
@@ -51,6 +51,13 @@ def test_val_fraction_splits_the_tokens_and_training_never_reads_the_tail(tmp_pa
     held_tokens = [held.sample(i) for i in range(300)]
     assert train_max == cut - 1  # the last training window ends right before the tail
     assert min(int(s.min()) for s in held_tokens) == cut and max(int(s.max()) for s in held_tokens) == 999
+    # Given the training stream, the tail is sliced from the tokens it read, not read again.
+    from rayhybrid.trainer import data
+
+    monkeypatch.setattr(data, "_tokens", lambda *args: pytest.fail("data.path read a second time"))
+    again = build_held_out(cfg, 1000, 0, train)
+    assert all(np.array_equal(again.sample(i), held.sample(i)) for i in range(20))
+    monkeypatch.undo()
     # Without a held-out part, training reads everything (the stream of earlier versions).
     whole = build_stream(DataConfig(name="tokens", path=str(path), seq_len=16), 1000, 0)
     assert max(int(whole.sample(i).max()) for i in range(3000)) == 999

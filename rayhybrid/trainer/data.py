@@ -120,9 +120,11 @@ def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
     if cfg.name == "synthetic":
         return MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
     tokens = _tokens(cfg, cfg.path, "data.path")
-    if not cfg.val_path and cfg.val_fraction > 0:
-        tokens = tokens[: split_point(len(tokens), cfg.val_fraction)]
-    return WindowStream(tokens, cfg.seq_len, seed, cfg.path)
+    if cfg.val_path or cfg.val_fraction <= 0:
+        return WindowStream(tokens, cfg.seq_len, seed, cfg.path)
+    stream = WindowStream(tokens[: split_point(len(tokens), cfg.val_fraction)], cfg.seq_len, seed, cfg.path)
+    stream.whole = tokens  # the held-out tail is sliced from it, not read a second time
+    return stream
 
 
 def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStream | None = None) -> SampleStream:
@@ -137,7 +139,9 @@ def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStr
         return WindowStream(tokens, cfg.seq_len, seed, cfg.val_path, setting="data.val_path")
     if cfg.val_fraction <= 0:
         raise ValueError(f"data={cfg.name} has no held-out data; set data.val_path or data.val_fraction")
-    tokens = _tokens(cfg, cfg.path, "data.path")
+    tokens = getattr(train, "whole", None)
+    if tokens is None:
+        tokens = _tokens(cfg, cfg.path, "data.path")
     tail = tokens[split_point(len(tokens), cfg.val_fraction) :]
     return WindowStream(tail, cfg.seq_len, seed, f"the last {cfg.val_fraction:g} of {cfg.path}", "data.val_fraction")
 
