@@ -161,12 +161,13 @@ def latest(root: Store | str | os.PathLike) -> Checkpoint | None:
     return None
 
 
-def best(root: Store | str | os.PathLike) -> Checkpoint | None:
+def best(root: Store | str | os.PathLike, paths: list[str] | None = None) -> Checkpoint | None:
     """The committed, complete checkpoint with the lowest held-out loss (`val_loss` in its
-    marker: the step was evaluated, see eval.every); the newest of equals. None without one."""
+    marker: the step was evaluated, see eval.every); the newest of equals. None without one.
+    `paths`: the committed directories, when the caller has listed them already."""
     store = as_store(root)
     found = []
-    for path in committed(store):
+    for path in committed(store) if paths is None else paths:
         try:
             ckpt = check(store, path)
         except ValueError:
@@ -185,7 +186,7 @@ def retain(store: Store, keep: int, keep_best: bool = False) -> list[str]:
     done = [p for p in paths if store.fs.exists(f"{p}/{META}")]
     gone += [p for p in paths if p not in done]
     if keep > 0:
-        kept = best(store) if keep_best else None
+        kept = best(store, done) if keep_best else None
         gone += [p for p in done[:-keep] if kept is None or step_of(p) != kept.step]
     if store.local and os.path.isdir(store.root):
         gone += [os.path.join(store.root, n) for n in os.listdir(store.root) if n.startswith(LEGACY_TMP_PREFIX)]

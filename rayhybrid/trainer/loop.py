@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 
@@ -330,13 +331,7 @@ class Trainer:
         if self.schedule is None:
             (_, model), n = self.stages[0], self.n_microbatches
             return sum(_local(self.loss_fn(model(x), y)) for x, y in zip(inputs.chunk(n), targets.chunk(n)))
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        forward_only(self.schedule, *args, **kwargs)
-        if self.has_last:
-            return torch.stack([_local(x) for x in losses]).sum()
-        return torch.zeros((), device=self.device)
+        return self._through_pipeline(functools.partial(forward_only, self.schedule), inputs, targets)
 
     def named_parameters(self):
         """(full-model name, parameter) for every parameter this rank holds."""
@@ -360,11 +355,20 @@ class Trainer:
         return total
 
     def _forward_backward_pipeline(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        def step(*args, **kwargs) -> None:
+            with self.timeline.pipeline(), self._timed_p2p() if self.timeline.record else contextlib.nullcontext():
+                self.schedule.step(*args, **kwargs)
+
+        return self._through_pipeline(step, inputs, targets)
+
+    def _through_pipeline(self, run, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        """`run` (the schedule's step, or its forward-only pass) on the replica batch, each rank
+        giving what its stages take; returns this rank's part of the loss (non-zero on last
+        stages only)."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        with self.timeline.pipeline(), self._timed_p2p() if self.timeline.record else contextlib.nullcontext():
-            self.schedule.step(*args, **kwargs)
+        run(*args, **kwargs)
         if self.has_last:
             return torch.stack([_local(x.detach()) for x in losses]).sum()
         return torch.zeros((), device=self.device)
