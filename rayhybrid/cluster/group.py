@@ -307,6 +307,8 @@ class WorkerGroup:
                         for rank, steps in enumerate(results)
                         for key, mb in steps[i][name].items()
                     }
+            if "cpu_s" in metrics:  # the busiest rank's CPU time (ranks sharing cores wait for them)
+                metrics["cpu_s"] = max(steps[i].get("cpu_s", 0.0) for steps in results)
             bubbles = [steps[i]["bubble"] for steps in results if steps[i].get("bubble") is not None]
             metrics["bubble"] = sum(bubbles) / len(bubbles) if bubbles else None  # the pipeline's idle share
             if "trace" in metrics:  # metrics.trace_steps: every rank's spans

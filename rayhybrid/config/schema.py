@@ -299,23 +299,41 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class TuneConfig:
     """`python -m rayhybrid.tune`: find the largest micro-batch that fits, then the fastest
-    configuration under it (see rayhybrid/tune/)."""
+    configuration under it; or, with `search=layout`, the fastest parallel layout for a device
+    count (see rayhybrid/tune/)."""
 
+    search: str = "micro_batch"
+    """`micro_batch`: the batch shape for the topology given; `layout`: dp x pp x tp, the
+    schedule, dp_shard, checkpointing and the micro-batch for `tune.devices` devices."""
     memory_budget_mb: float = 0.0
     """Memory each rank may use. 0: the GPU's capacity; required on CPU, where the run plays a
     device of this size (a trial over it counts as out of memory)."""
     margin: float = 0.01
     """Safety margin under the budget for the predicted micro-batch (0.01 = 1%)."""
-    probes: tuple[int, int] = (1, 2)
-    """The two micro-batch sizes measured first; memory is fitted as fixed + per sample."""
+    probes: tuple[int, ...] = ()
+    """The two micro-batch sizes measured first; memory is fitted as fixed + per sample. Empty:
+    the planner's predicted largest size and half of it (1 and 2 for a model it cannot plan)."""
+    global_batch_size: int = 0
+    """Fix the global batch (a hyper-parameter): only micro-batch sizes dividing it per replica
+    are tried, each with the micro-batches that make it up. 0: free (each trial its own);
+    `tune.global_batch_size=${train.global_batch_size}` keeps the training one. A layout search
+    always fixes it (this, or train.global_batch_size)."""
     steps: int = 3
     """Optimizer steps per trial; memory is read after the first (once optimizer state exists),
     throughput over the steps after the first."""
     num_microbatches: int = 0
-    """Micro-batches per step while searching memory; 0: pp (the fewest a pipeline fills with)."""
+    """Micro-batches per step while searching memory with a free global batch; 0: pp (the
+    fewest a pipeline fills with)."""
     activation_checkpointing: tuple[bool, ...] = (False, True)
     """Settings of train.activation_checkpointing to search and time."""
     max_micro_batch: int = 4096
+    devices: int = 0
+    """Layout search: the devices to lay out (ranks on CPU); 0: those of the topology given."""
+    devices_per_node: int = 0
+    """Layout search: devices per node, which tp must divide; 0: the largest node's GPUs (on
+    CPU: all `tune.devices`, one node)."""
+    max_trials: int = 10
+    """Layout search: real trials at most."""
     step_timeout_s: float = 300.0
     """A trial step that makes no progress for this long fails the trial."""
 

@@ -233,7 +233,7 @@ class Trainer:
         """One optimizer step over the global batch; returns metrics (same on every rank, but
         `samples_read` and `peak_mb`, which are this rank's)."""
         cfg, t = self.cfg, self.cfg.topology
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         lr = lr_at(self.step, cfg.train)
         for opt in self.optimizers:
             set_lr(opt, lr)
@@ -260,6 +260,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": float(grad_norm),
             "step_time_s": elapsed,
+            "cpu_s": time.process_time() - cpu_start,  # this rank's process CPU time (all threads)
             "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / elapsed,
             "consumed_samples": self.consumed_samples,
             "num_microbatches": self.n_microbatches,

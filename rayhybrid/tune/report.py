@@ -11,46 +11,80 @@ import shlex
 from pathlib import Path
 
 from rayhybrid.config.schema import Config
+from rayhybrid.tune.layout import LayoutPlan
 from rayhybrid.tune.plan import Record, TunePlan
 from rayhybrid.tune.search import LinearMemoryModel, Trial
+from rayhybrid.tune.space import TOPOLOGY_FIELDS
 
 log = logging.getLogger("rayhybrid")
 
 COLUMNS = (
     "trial",
     "purpose",
+    "dp",
+    "pp",
+    "tp",
+    "schedule",
+    "dp_shard",
     "micro_batch_size",
     "num_microbatches",
     "global_batch_size",
     "activation_checkpointing",
     "peak_mb",
+    "planned_mb",
     "predicted_peak_mb",
     "budget_mb",
     "oom",
     "fits",
     "tokens_per_s",
+    "tokens_per_cpu_s",
     "error",
 )
 
 
-def _rows(cfg: Config, plan: TunePlan) -> list[dict]:
+def _topology(cfg: Config, r: Record) -> dict:
+    if r.point.layout:
+        return dict(zip(TOPOLOGY_FIELDS, r.point.layout))
+    t = cfg.topology
+    return {
+        "dp": t.dp,
+        "pp": t.pp,
+        "tp": t.tp,
+        "schedule": t.schedule,
+        "stages_per_rank": t.stages_per_rank,
+        "dp_shard": t.dp_shard,
+    }
+
+
+def _rounded(x: float | None, digits: int = 4):
+    return "" if x is None else round(x, digits)
+
+
+def _rows(cfg: Config, plan) -> list[dict]:
     rows = []
     for i, r in enumerate(plan.records, 1):
-        p = r.point
+        p, t = r.point, _topology(cfg, r)
         rows.append(
             {
                 "trial": i,
                 "purpose": r.purpose,
+                "dp": t["dp"],
+                "pp": t["pp"],
+                "tp": t["tp"],
+                "schedule": (t["schedule"] if t["pp"] > 1 else "-"),
+                "dp_shard": int(bool(t["dp_shard"])),
                 "micro_batch_size": p.micro_batch_size,
                 "num_microbatches": p.num_microbatches,
-                "global_batch_size": cfg.topology.dp * p.micro_batch_size * p.num_microbatches,
+                "global_batch_size": t["dp"] * p.micro_batch_size * p.num_microbatches,
                 "activation_checkpointing": int(p.activation_checkpointing),
                 "peak_mb": round(r.peak_mb, 4) if r.peaks_mb else "",
-                "predicted_peak_mb": round(r.predicted_peak_mb, 4) if r.predicted_peak_mb is not None else "",
+                "planned_mb": _rounded(r.planned_mb),
+                "predicted_peak_mb": _rounded(r.predicted_peak_mb),
                 "budget_mb": round(plan.budget_mb, 4),
                 "oom": int(r.oom),
                 "fits": int(r.fits(plan.budget_mb)),
                 "tokens_per_s": round(r.tokens_per_s, 1) if r.tokens_per_s else "",
+                "tokens_per_cpu_s": round(r.tokens_per_cpu_s, 1) if r.tokens_per_cpu_s else "",
                 "error": r.error,
             }
         )
@@ -59,36 +93,71 @@ def _rows(cfg: Config, plan: TunePlan) -> list[dict]:
 
 def training_overrides(cfg: Config, best: Record) -> list[str]:
     p = best.point
+    t = _topology(cfg, best)
+    layout = []
+    if p.layout:
+        layout = [f"topology.{k}={str(t[k]).lower() if isinstance(t[k], bool) else t[k]}" for k in TOPOLOGY_FIELDS]
     return [
+        *layout,
         f"train.micro_batch_size={p.micro_batch_size}",
-        f"train.global_batch_size={cfg.topology.dp * p.micro_batch_size * p.num_microbatches}",
+        f"train.global_batch_size={t['dp'] * p.micro_batch_size * p.num_microbatches}",
         f"train.activation_checkpointing={str(p.activation_checkpointing).lower()}",
     ]
 
 
 def training_command(user_overrides: list[str], best_overrides: list[str]) -> str:
-    """`python -m rayhybrid` with the user's overrides (less tune.* and the batch settings the
-    search decided) and the best ones."""
+    """`python -m rayhybrid` with the user's overrides (less tune.* and the settings the search
+    decided) and the best ones."""
     decided = {o.split("=", 1)[0] for o in best_overrides}
     kept = [o for o in user_overrides if not re.match(r"^\+*tune\.", o) and o.split("=", 1)[0] not in decided]
     return shlex.join(["python", "-m", "rayhybrid", *kept, *best_overrides])
 
 
-def write(cfg: Config, plan: TunePlan, out: Path, wall_s: float, user_overrides: list[str] | None = None) -> dict:
+def planner_error(plan) -> dict | None:
+    """How far the planner's memory predictions were from the measured peaks (relative)."""
+    pairs = [(r.planned_mb, r.peak_mb) for r in plan.records if r.planned_mb is not None and r.peaks_mb]
+    if not pairs:
+        return None
+    errors = [abs(planned / measured - 1) for planned, measured in pairs]
+    return {"trials": len(pairs), "max": round(max(errors), 6), "mean": round(sum(errors) / len(errors), 6)}
+
+
+def write(cfg: Config, plan, out: Path, wall_s: float, user_overrides: list[str] | None = None) -> dict:
     rows = _rows(cfg, plan)
     with open(out / "tune_results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    _print_table(rows)
+    _print_table(rows, plan.metric)
+    layout = isinstance(plan, LayoutPlan)
     summary = {
+        "search": "layout" if layout else "micro_batch",
         "budget_mb": plan.budget_mb,
+        "metric": plan.metric,
         "trials": len(plan.records),
         "wall_s": round(wall_s, 2),
-        "largest_micro_batch": {str(ac).lower(): s.best for ac, s in plan.searches.items()},
-        "memory_trials": {str(ac).lower(): len(s.trials) for ac, s in plan.searches.items()},
+        "planner_error": planner_error(plan),
         "best": None,
     }
+    if layout:
+        summary["layouts"] = [list(x) for x in plan.layouts]
+        summary["points"] = len(plan.planned)
+        summary["pruned_by_planned_memory"] = plan.pruned
+    else:
+        summary["global_batch_size"] = plan.per_replica * cfg.topology.dp or None
+        summary["largest_micro_batch"] = {str(ac).lower(): s.best for ac, s in plan.searches.items()}
+        summary["memory_trials"] = {str(ac).lower(): len(s.trials) for ac, s in plan.searches.items()}
+        summary["skipped_over_planned_memory"] = [
+            {**p.as_config("throughput"), "planned_mb": round(mb, 4)} for p, mb in plan.skipped
+        ]
+        for p, mb in plan.skipped:
+            log.info(
+                "not run: micro-batch %d x %d%s, planned %.2f MB > budget",
+                p.micro_batch_size,
+                p.num_microbatches,
+                " with checkpointing" if p.activation_checkpointing else "",
+                mb,
+            )
     best = plan.best
     if best is not None:
         overrides = training_overrides(cfg, best)
@@ -101,17 +170,26 @@ def write(cfg: Config, plan: TunePlan, out: Path, wall_s: float, user_overrides:
             "overrides": overrides,
             "command": command,
             "tokens_per_s": round(best.tokens_per_s, 1),
+            "tokens_per_cpu_s": round(best.tokens_per_cpu_s, 1),
             "peak_mb": round(best.peak_mb, 4),
+            "planned_mb": _rounded(best.planned_mb),
         }
+        baseline = plan.baseline if layout else None
+        if baseline is not None and baseline.fits(plan.budget_mb):
+            summary["baseline"] = {
+                "overrides": training_overrides(cfg, baseline),
+                plan.metric: round(baseline.speed(plan.metric), 1),
+                "speedup": round(best.speed(plan.metric) / baseline.speed(plan.metric), 3),
+            }
         log.info(
-            "best: %s (%.0f tok/s, peak %.2f MB of %.2f MB)",
+            "best: %s (%.0f %s, peak %.2f MB of %.2f MB)",
             " ".join(overrides),
-            best.tokens_per_s,
+            best.speed(plan.metric),
+            plan.metric.replace("tokens_per_", "tok/").replace("cpu_s", "CPU-s"),
             best.peak_mb,
             plan.budget_mb,
         )
-    plots = _plots(plan, out)
-    summary["plots"] = plots
+    summary["plots"] = _layout_plot(plan, out) if layout else _plots(plan, out)
     (out / "tune_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log.info("tuning done: %d trials in %.1fs; results in %s", len(plan.records), wall_s, out)
     if best is not None:
@@ -119,23 +197,33 @@ def write(cfg: Config, plan: TunePlan, out: Path, wall_s: float, user_overrides:
     return summary
 
 
-def _print_table(rows: list[dict]) -> None:
-    heads = ("trial", "purpose", "mb", "n_micro", "G", "AC", "peak_mb", "predicted", "oom", "fits", "tokens/s")
-    keys = (
-        "trial",
-        "purpose",
-        "micro_batch_size",
-        "num_microbatches",
-        "global_batch_size",
-        "activation_checkpointing",
-        "peak_mb",
-        "predicted_peak_mb",
-        "oom",
-        "fits",
-        "tokens_per_s",
-    )
-    table = [heads] + [tuple(str(row[k]) for k in keys) for row in rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
+def _print_table(rows: list[dict], metric: str = "tokens_per_s") -> None:
+    columns = {
+        "trial": "trial",
+        "purpose": "purpose",
+        "dp": "dp",
+        "pp": "pp",
+        "tp": "tp",
+        "schedule": "schedule",
+        "dp_shard": "shard",
+        "micro_batch_size": "mb",
+        "num_microbatches": "n_micro",
+        "global_batch_size": "G",
+        "activation_checkpointing": "AC",
+        "peak_mb": "peak_mb",
+        "planned_mb": "planned",
+        "predicted_peak_mb": "fitted",
+        "oom": "oom",
+        "fits": "fits",
+        "tokens_per_s": "tokens/s",
+    }
+    if metric == "tokens_per_cpu_s":
+        columns["tokens_per_cpu_s"] = "tokens/CPU-s"
+    if len({(r["dp"], r["pp"], r["tp"], r["schedule"], r["dp_shard"]) for r in rows}) <= 1:
+        for key in ("dp", "pp", "tp", "schedule", "dp_shard"):  # one topology: it goes without saying
+            columns.pop(key)
+    table = [tuple(columns.values())] + [tuple(str(row[k]) for k in columns) for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in table]
     print("\n" + "\n".join(lines), flush=True)
 
@@ -143,6 +231,60 @@ def _print_table(rows: list[dict]) -> None:
 def stage_of(key: str) -> str:
     """ "rank3/stage1/backward" -> "stage1"."""
     return next((part for part in key.split("/") if part.startswith("stage")), key)
+
+
+def _layout_plot(plan: LayoutPlan, out: Path) -> list[str]:
+    """memory.png: planned against measured peak per trial; throughput.png: each trial's speed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    pairs = [(r.planned_mb, r.peak_mb) for r in plan.records if r.planned_mb is not None and r.peaks_mb]
+    if pairs:
+        xs, ys = zip(*pairs)
+        ax.plot(xs, ys, "o")
+        top = max(max(xs), max(ys), plan.budget_mb) * 1.05
+        ax.plot([0, top], [0, top], "--", color="grey", label="measured = planned")
+    ax.axhline(plan.budget_mb, color="red", linestyle="--", label=f"budget {plan.budget_mb:g} MB")
+    ax.set_xlabel("planned peak (MB, busiest rank)")
+    ax.set_ylabel("measured peak (MB, busiest rank)")
+    ax.set_title("Layout search: the planner's memory against the trials'")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    plt.close(fig)
+    _throughput_plot(
+        plan,
+        out,
+        lambda r: "dp{}pp{}tp{} {}{} mb{}{}".format(
+            *r.point.layout[:3],
+            r.point.layout[3] if r.point.layout[1] > 1 else "",
+            " fsdp" if r.point.layout[5] else "",
+            r.point.micro_batch_size,
+            " AC" if r.point.activation_checkpointing else "",
+        ),
+    )
+    return ["memory.png", "throughput.png"]
+
+
+def _throughput_plot(plan, out: Path, label) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    measured = [r for r in plan.records if r.speed(plan.metric)]
+    best = plan.best
+    bar_colours = [
+        "tab:green" if r is best else ("tab:blue" if r.fits(plan.budget_mb) else "tab:gray") for r in measured
+    ]
+    ax.bar(range(len(measured)), [r.speed(plan.metric) for r in measured], color=bar_colours)
+    ax.set_xticks(range(len(measured)), [label(r) for r in measured], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("tokens per CPU-second (busiest rank)" if plan.metric == "tokens_per_cpu_s" else "tokens/s")
+    ax.set_title("Throughput per trial (green: best that fits; grey: over budget)")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
 
 
 def _plots(plan: TunePlan, out: Path) -> list[str]:
@@ -187,22 +329,13 @@ def _plots(plan: TunePlan, out: Path) -> list[str]:
     plt.close(fig)
     written.append("memory.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    measured = [r for r in plan.records if r.tokens_per_s]
-    labels = [
-        f"mb{r.point.micro_batch_size}x{r.point.num_microbatches}{' AC' if r.point.activation_checkpointing else ''}"
-        for r in measured
-    ]
-    best = plan.best
-    bar_colours = [
-        "tab:green" if r is best else ("tab:blue" if r.fits(plan.budget_mb) else "tab:gray") for r in measured
-    ]
-    ax.bar(range(len(measured)), [r.tokens_per_s for r in measured], color=bar_colours)
-    ax.set_xticks(range(len(measured)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("tokens/s")
-    ax.set_title("Throughput per trial (green: best that fits; grey: over budget)")
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=110)
-    plt.close(fig)
+    _throughput_plot(
+        plan,
+        out,
+        lambda r: (
+            f"mb{r.point.micro_batch_size}x{r.point.num_microbatches}"
+            f"{' AC' if r.point.activation_checkpointing else ''}"
+        ),
+    )
     written.append("throughput.png")
     return written

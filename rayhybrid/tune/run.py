@@ -1,11 +1,12 @@
 """`python -m rayhybrid.tune`: a Ray Tune search whose trials are short runs of the real trainer.
 
-The workers are started once and kept for the whole search: each trial joins them again under
-its own micro-batch size, number of micro-batches and activation-checkpointing setting
+The workers are started once and kept while the topology stays: each trial joins them again
+under its own micro-batch size, number of micro-batches and activation-checkpointing setting
 (`WorkerGroup.reconfigure`), trains `tune.steps` steps with `metrics.memory` on, and reports the
 peaks of every rank, stage and phase after the first step (once optimizer state exists) and the
-throughput of the steps after the first. They live in a `TrialHost` actor, which every Tune
-trial calls; Tune's own trial processes stay light (no resources, no torch).
+throughput of the steps after the first. A layout search's trial on another dp x pp x tp starts
+a new group. They live in a `TrialHost` actor, which every Tune trial calls; Tune's own trial
+processes stay light (no resources, no torch).
 """
 
 from __future__ import annotations
@@ -21,36 +22,16 @@ from rayhybrid.config.compose import replace
 from rayhybrid.config.schema import Config
 from rayhybrid.config.validate import validate
 from rayhybrid.errors import ConfigError, RayHybridError, WorkerError
-from rayhybrid.tune.plan import TunePlan
+from rayhybrid.tune import space
+from rayhybrid.tune.plan import Point, TunePlan
 from rayhybrid.tune.search import PEAK_PREFIX
 from rayhybrid.tune.searcher import PlanSearcher
+from rayhybrid.tune.space import TOPOLOGY_FIELDS, trial_config
 
 log = logging.getLogger("rayhybrid")
 
-
-def trial_config(cfg: Config, point: dict) -> Config:
-    """The training config of one trial: the point's batch shape, memory metrics on, no evaluation
-    (so no checkpoint.keep_best either: a trial saves no checkpoint), no experiment trackers (a
-    trial logs to none; their checks would need wandb, mlflow and a W&B key where it runs)."""
-    t = cfg.topology
-    mb, n = point["micro_batch_size"], point["num_microbatches"]
-    return replace(
-        cfg,
-        train={
-            "micro_batch_size": mb,
-            "global_batch_size": t.dp * mb * n,
-            "activation_checkpointing": point["activation_checkpointing"],
-            "steps": cfg.tune.steps,
-            "log_every": cfg.tune.steps,
-        },
-        metrics={
-            "memory": True,
-            "wandb": dataclasses.replace(cfg.metrics.wandb, enabled=False),
-            "mlflow": dataclasses.replace(cfg.metrics.mlflow, enabled=False),
-        },
-        eval={"every": 0},  # a trial measures training steps; held-out loss is not its concern
-        checkpoint={"keep_best": False},  # it needs eval.every
-    )
+SEARCHES = ("micro_batch", "layout")
+POINT_KEYS = ("micro_batch_size", "num_microbatches", "activation_checkpointing", *TOPOLOGY_FIELDS, "purpose")
 
 
 class TrialHost:
@@ -70,9 +51,13 @@ class TrialHost:
         except ConfigError as err:
             return {"oom": 0, "error": str(err), "tokens_per_s": 0.0}
         start = time.perf_counter()
+        t = cfg.topology
+        shape = dataclasses.replace(self.shape, pp=t.pp, tp=t.tp)
+        if self.group is not None and (self.group.shape != shape or self.group.cfg.topology.dp != t.dp):
+            self.shutdown()  # another layout: other placement groups and ranks
         try:
             if self.group is None:
-                self.group = WorkerGroup(cfg, self.shape)
+                self.group = WorkerGroup(cfg, shape)
                 self.group.start()
             else:
                 self.group.reconfigure(cfg)
@@ -100,12 +85,15 @@ class TrialHost:
                 peaks[key] = max(mb, peaks.get(key, 0.0))
         seconds = sum(m["step_time_s"] for m in measured)
         tokens = sum(m["tokens_per_s"] * m["step_time_s"] for m in measured)
+        cpu = sum(m.get("cpu_s", 0.0) for m in measured)
         return {
             "oom": 0,
             "error": "",
             "peak_mb": max(peaks.values(), default=0.0),
             "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "tokens_per_cpu_s": tokens / cpu if cpu else 0.0,
             "step_time_s": seconds / len(measured),
+            "cpu_s": cpu / len(measured),
             "loss": steps[-1]["loss"],
             "trial_s": time.perf_counter() - start,
             **{PEAK_PREFIX + key: mb for key, mb in peaks.items()},
@@ -124,7 +112,7 @@ def _trial(config: dict, host=None) -> None:
     """A Tune trial: one call to the host."""
     from ray import tune
 
-    point = {k: config[k] for k in ("micro_batch_size", "num_microbatches", "activation_checkpointing", "purpose")}
+    point = {k: config[k] for k in POINT_KEYS if k in config}
     tune.report(ray.get(host.run.remote(point)))
 
 
@@ -144,11 +132,101 @@ def first_microbatches(cfg: Config) -> int:
     return cfg.tune.num_microbatches or cfg.topology.pp
 
 
+def fixed_global_batch(cfg: Config) -> int:
+    """The global batch every trial trains (0: free); a layout search always fixes one."""
+    if cfg.tune.search == "layout":
+        return cfg.tune.global_batch_size or cfg.train.global_batch_size
+    return cfg.tune.global_batch_size
+
+
+def base_point(cfg: Config, ac: bool, m: int, layout: bool = False) -> dict:
+    """A trial point on the base topology: `m` per micro-batch, the micro-batches a fixed global
+    batch needs (or the memory search's first number)."""
+    g = fixed_global_batch(cfg)
+    n = g // (cfg.topology.dp * m) if g else first_microbatches(cfg)
+    point = {"micro_batch_size": m, "num_microbatches": n, "activation_checkpointing": ac}
+    if layout:
+        t = cfg.topology
+        point.update(
+            dp=t.dp, pp=t.pp, tp=t.tp, schedule=t.schedule, stages_per_rank=t.stages_per_rank, dp_shard=t.dp_shard
+        )
+    return point
+
+
+def micro_batch_plan(cfg: Config, budget: float, cuda: bool, metric: str) -> TunePlan:
+    """The micro-batch search on the base topology: the sizes a fixed global batch allows, and
+    probes the planner places (unless tune.probes gives them)."""
+    from rayhybrid.plan import estimate as est
+
+    t, tc = cfg.topology, cfg.tune
+    g = fixed_global_batch(cfg)
+    per_replica = g // t.dp if g else 0
+    settings = tuple(dict.fromkeys(bool(ac) for ac in tc.activation_checkpointing))
+    candidates = (
+        {ac: space.batch_sizes(cfg, per_replica, {"activation_checkpointing": ac}) for ac in settings}
+        if per_replica
+        else None
+    )
+    probes = {}
+    for ac in settings:
+        if tc.probes:
+            probes[ac] = tuple(tc.probes)
+            continue
+        largest = space.largest_planned(
+            cfg,
+            lambda m, ac=ac: base_point(cfg, ac, m),
+            budget * (1 - tc.margin),
+            sizes=candidates[ac] if candidates else None,
+            cap=tc.max_micro_batch,
+            cuda=cuda,
+        )
+        probes[ac] = space.planned_probes(largest, (1, 2))
+    v = t.stages_per_rank if t.pp > 1 else 1
+    return TunePlan(
+        budget,
+        n0=first_microbatches(cfg),
+        activation_checkpointing=settings,
+        probes=probes,
+        margin=tc.margin,
+        max_micro_batch=tc.max_micro_batch,
+        per_replica=per_replica,
+        candidates=candidates,
+        bubble=lambda n: est.bubble_fraction(t.schedule, t.pp, n, v)[0],
+        planner=lambda point: space.planned_peak_mb(trial_config(cfg, point.as_config("")), cuda=cuda),
+        metric=metric,
+    )
+
+
+def layout_plan(cfg: Config, budget: float, cuda: bool, metric: str, gpus_per_node: int):
+    from rayhybrid.tune.layout import LayoutPlan
+
+    t, tc = cfg.topology, cfg.tune
+    devices = tc.devices or t.dp * t.pp * t.tp
+    per_node = tc.devices_per_node or (gpus_per_node if cuda else devices)
+    g = fixed_global_batch(cfg)
+    baseline = None
+    if t.dp * t.pp * t.tp == devices and g % (t.dp * cfg.train.micro_batch_size) == 0:
+        baseline = Point.of(base_point(cfg, bool(cfg.train.activation_checkpointing), cfg.train.micro_batch_size, True))
+    return LayoutPlan(
+        cfg,
+        devices,
+        per_node,
+        g,
+        budget,
+        margin=tc.margin,
+        activation_checkpointing=tuple(bool(ac) for ac in tc.activation_checkpointing),
+        max_trials=tc.max_trials,
+        metric=metric,
+        cuda=cuda,
+        baseline=baseline,
+    )
+
+
 def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
     """Connect, search, write the outputs; returns the summary (also in tune_summary.json)."""
     from ray import tune
 
-    from rayhybrid.cluster.connect import connect, resolve_shape
+    from rayhybrid.cluster.connect import alive_nodes, connect, resolve_shape
     from rayhybrid.cluster.placement import check_capacity
     from rayhybrid.tune import report
 
@@ -156,9 +234,15 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     started_ray = connect(cfg)
     host = None
+    layout = cfg.tune.search == "layout"
     try:
         shape = resolve_shape(cfg)
-        check_capacity(shape, cfg.topology.dp)
+        t = cfg.topology
+        if layout:
+            devices = cfg.tune.devices or t.dp * t.pp * t.tp
+            check_capacity(dataclasses.replace(shape, pp=1, tp=1), devices)  # every layout places `devices` ranks
+        else:
+            check_capacity(shape, t.dp)
         budget = cfg.tune.memory_budget_mb
         if budget <= 0:
             if not shape.use_gpu:
@@ -168,27 +252,35 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
                 )
             budget = device_capacity_mb(shape)
         cfg = replace(cfg, tune={"memory_budget_mb": budget})
-        n0 = first_microbatches(cfg)
-        plan = TunePlan(
-            budget,
-            n0=n0,
-            activation_checkpointing=tuple(cfg.tune.activation_checkpointing),
-            probes=tuple(cfg.tune.probes),
-            margin=cfg.tune.margin,
-            max_micro_batch=cfg.tune.max_micro_batch,
-        )
-        t = cfg.topology
-        log.info(
-            "tune: dp %d x pp %d x tp %d, budget %.1f MB per rank (%s); memory search at %d micro-batch(es) per step, "
-            "activation checkpointing %s",
-            t.dp,
-            t.pp,
-            t.tp,
-            budget,
-            "GPU capacity" if shape.use_gpu and cfg.tune.memory_budget_mb <= 0 else "tune.memory_budget_mb",
-            n0,
-            "/".join("on" if ac else "off" for ac in plan.searches),
-        )
+        # On CPU the ranks share the cores: wall time measures the machine, not the layout. Rank
+        # by the busiest rank's CPU time instead (it leaves out time spent waiting).
+        metric = "tokens_per_s" if shape.use_gpu else "tokens_per_cpu_s"
+        source = "GPU capacity" if shape.use_gpu and cfg.tune.memory_budget_mb <= 0 else "tune.memory_budget_mb"
+        if layout:
+            gpus = max((n.get("Resources", {}).get("GPU", 0) for n in alive_nodes()), default=0)
+            plan = layout_plan(cfg, budget, shape.use_gpu, metric, int(gpus))
+            if not plan.fitting:
+                raise RayHybridError(
+                    f"no layout of {cfg.tune.devices or t.dp * t.pp * t.tp} devices is planned to fit "
+                    f"tune.memory_budget_mb={budget:g} ({plan.pruned} points over it); raise the budget or the devices"
+                )
+            log.info("tune: layout search, budget %.1f MB per rank (%s), ranked by %s", budget, source, metric)
+        else:
+            plan = micro_batch_plan(cfg, budget, shape.use_gpu, metric)
+            g = fixed_global_batch(cfg)
+            log.info(
+                "tune: dp %d x pp %d x tp %d, budget %.1f MB per rank (%s); %s; activation checkpointing %s; "
+                "first probes %s; ranked by %s",
+                t.dp,
+                t.pp,
+                t.tp,
+                budget,
+                source,
+                f"global batch fixed at {g}" if g else f"memory search at {first_microbatches(cfg)} micro-batch(es)",
+                "/".join("on" if ac else "off" for ac in plan.searches),
+                ", ".join(f"{s.probes}" for s in plan.searches.values()),
+                metric,
+            )
         host = ray.remote(num_cpus=0)(TrialHost).remote(cfg, shape)
         searcher = PlanSearcher(plan)
         start = time.perf_counter()
@@ -210,10 +302,7 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
             ray.shutdown()
     summary = report.write(cfg, plan, out, wall, list(overrides))
     if plan.best is None:
-        raise RayHybridError(
-            f"no trial fitted tune.memory_budget_mb={budget:g} (even micro-batch {cfg.tune.probes[0]}); "
-            f"see {out / 'tune_results.csv'}"
-        )
+        raise RayHybridError(f"no trial fitted tune.memory_budget_mb={budget:g}; see {out / 'tune_results.csv'}")
     return summary
 
 
@@ -225,20 +314,53 @@ def tune_main(overrides: list[str], run_dir: str | Path | None = None) -> dict:
     node = compose(overrides, return_hydra_config=True)
     run_dir = Path(run_dir) if run_dir is not None else make_run_dir(Path(str(node.hydra.run.dir)))
     cfg = dataclasses.replace(to_config(node), run_dir=str(run_dir))
-    if not cfg.tune.activation_checkpointing:
-        raise ConfigError("tune.activation_checkpointing", "needs at least one setting, e.g. [false,true]")
-    probes = tuple(cfg.tune.probes)
-    if len(probes) != 2 or not 0 < probes[0] < probes[1]:
-        raise ConfigError("tune.probes", f"must be two increasing positive sizes, e.g. [1,2]; got {list(probes)}")
-    if cfg.tune.steps < 2:
-        raise ConfigError("tune.steps", "must be at least 2 (memory and speed are read after the first step)")
-    # The trials' configs, not the base one, must be valid (the batch settings are the trials').
-    for ac in dict.fromkeys(cfg.tune.activation_checkpointing):
-        first = {
-            "micro_batch_size": probes[0],
-            "num_microbatches": first_microbatches(cfg),
-            "activation_checkpointing": ac,
-        }
-        validate(trial_config(cfg, first))
+    check_tune(cfg)
     _ensure_logging()
     return run_tune(cfg, overrides)
+
+
+def check_tune(cfg: Config) -> None:
+    """The tune section's one-line errors (exit 2), before Ray starts."""
+    tc, t = cfg.tune, cfg.topology
+    if tc.search not in SEARCHES:
+        raise ConfigError("tune.search", f"must be one of {', '.join(SEARCHES)}; got {tc.search!r}")
+    if not tc.activation_checkpointing:
+        raise ConfigError("tune.activation_checkpointing", "needs at least one setting, e.g. [false,true]")
+    probes = tuple(tc.probes)
+    if probes and (len(probes) != 2 or not 0 < probes[0] < probes[1]):
+        raise ConfigError(
+            "tune.probes", f"must be two increasing positive sizes, e.g. [1,2], or [] (planned); got {list(probes)}"
+        )
+    if tc.steps < 2:
+        raise ConfigError("tune.steps", "must be at least 2 (memory and speed are read after the first step)")
+    for name in ("global_batch_size", "devices", "devices_per_node"):
+        if getattr(tc, name) < 0:
+            raise ConfigError(
+                f"tune.{name}", f"must be >= 0 (0: see docs/planning-and-tuning.md); got {getattr(tc, name)}"
+            )
+    if tc.max_trials < 1:
+        raise ConfigError("tune.max_trials", f"must be at least 1; got {tc.max_trials}")
+    g = fixed_global_batch(cfg)
+    if tc.search == "layout":
+        from rayhybrid.plan import estimate as est
+
+        if not est.has_memory_model(cfg):
+            raise ConfigError(
+                "tune.search",
+                f"layout needs the planner's memory model, which model {cfg.model.module or cfg.model.name} lacks "
+                "(ModelSpec.memory); search its micro-batch on a topology you choose instead",
+            )
+        if tc.devices_per_node and tc.devices and tc.devices_per_node > tc.devices:
+            raise ConfigError("tune.devices_per_node", f"is more than tune.devices={tc.devices}")
+        return
+    if g and g % t.dp:
+        raise ConfigError("tune.global_batch_size", f"{g} is not a multiple of topology.dp={t.dp}")
+    # The trials' configs, not the base one, must be valid (the batch settings are the trials').
+    for ac in dict.fromkeys(tc.activation_checkpointing):
+        if g:
+            if not space.batch_sizes(cfg, g // t.dp, {"activation_checkpointing": ac}):
+                first = base_point(cfg, ac, 1)
+                validate(trial_config(cfg, first))  # the reason, as the config checks word it
+                raise ConfigError("tune.global_batch_size", f"{g} leaves no valid micro-batch size on this topology")
+            continue
+        validate(trial_config(cfg, base_point(cfg, ac, probes[0] if probes else 1)))

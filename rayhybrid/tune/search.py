@@ -6,12 +6,20 @@ sample of the micro-batch (saved activations, pipeline buffers; a 1F1B schedule 
 `pp - stage` micro-batches in flight, GPipe all of them, but for a fixed schedule and number of
 micro-batches that is still linear in the micro-batch size). So:
 
-1. probe two micro-batch sizes and fit `fixed + per_sample * m` for each (rank, stage, phase);
+1. probe two micro-batch sizes and fit `fixed + per_sample * m` for each (rank, stage, phase).
+   The probes are best placed near the answer: `python -m rayhybrid.tune` puts them at the
+   planner's predicted largest size and half of it (rayhybrid/tune/predict.py), so the line is
+   fitted where it is used; without a planner they are 1 and 2;
 2. predict the largest `m` whose highest predicted peak stays under the budget less a safety
-   margin;
-3. verify that prediction with one trial; only when it misses (out of memory, or over budget),
-   bisect between the largest size that fitted and the one that did not. When it fits but its
-   measured peaks leave room for one more sample (the margin cost a size), try that one.
+   margin, and verify it with one trial (a prediction far beyond the sizes measured is approached
+   in RAMP-fold steps first);
+3. when it fits, refit the line through it and step once to the largest size the line puts under
+   the whole budget (the margin's worth, without crawling up one size per trial);
+4. on a miss (out of memory, or over budget), step inside the gap with the refitted line, or
+   bisect, until the largest fit is within TOLERANCE of the smallest miss.
+
+Three trials with planner-placed probes, four or five from 1 and 2; the answer is the largest
+size that fits, or within TOLERANCE of it.
 
 `MicroBatchSearch` is that procedure, free of Ray so it can be tested against synthetic memory
 oracles; `PlanSearcher` (searcher.py) drives a whole `TunePlan` (plan.py) from a Ray Tune search.
@@ -83,22 +91,44 @@ class LinearMemoryModel:
         return max(best, 0)
 
 
+TOLERANCE = 0.03
+"""A search stops once its largest fit is within this fraction of the largest size not yet ruled
+out: the last few percent are not worth a trial each."""
+
+RAMP = 16
+"""A prediction more than this many times the largest size measured is approached by measuring
+that multiple first."""
+
+
 class MicroBatchSearch:
-    """Probe two sizes, fit, predict, verify, bisect on a miss (see the module docstring)."""
+    """Probe two sizes, fit, predict, verify, step to the edge, bisect on a miss (see the module
+    docstring). `candidates`: the sizes allowed (sorted; None: every size up to
+    `max_micro_batch`), e.g. the divisors of a fixed global batch per replica."""
 
     def __init__(
-        self, budget_mb: float, probes: tuple[int, int] = (1, 2), margin: float = 0.01, max_micro_batch: int = 1 << 16
+        self,
+        budget_mb: float,
+        probes: tuple[int, int] = (1, 2),
+        margin: float = 0.01,
+        max_micro_batch: int = 1 << 16,
+        candidates: list[int] | tuple[int, ...] | None = None,
+        tolerance: float = TOLERANCE,
     ) -> None:
         if not 0 < probes[0] < probes[1]:
             raise ValueError(f"probes must be two increasing positive sizes, got {probes}")
         self.budget_mb = budget_mb
-        self.probes = probes
         self.margin = margin
+        self.tolerance = tolerance
         self.max_micro_batch = max_micro_batch
+        self.candidates = sorted(set(candidates)) if candidates is not None else None
+        if self.candidates is not None and not self.candidates:
+            raise ValueError("no candidate micro-batch sizes")
+        self.probes = self._snap_probes(probes)
         self.trials: list[Trial] = []
         self.model: LinearMemoryModel | None = None
         self.prediction: int | None = None
-        self._next: int | None = probes[0]
+        self._edge_tried = False
+        self._next: int | None = self.probes[0]
 
     # -- the two calls a driver makes ---------------------------------------------------------
 
@@ -127,15 +157,47 @@ class MicroBatchSearch:
     def predicted_peak_mb(self, micro_batch_size: int) -> float | None:
         return None if self.model is None else self.model.peak(micro_batch_size)
 
+    # -- the sizes allowed --------------------------------------------------------------------
+
+    def _floor(self, m: int) -> int:
+        """The largest allowed size <= m (0: none)."""
+        m = min(m, self.max_micro_batch)
+        if self.candidates is None:
+            return max(m, 0)
+        return max((c for c in self.candidates if c <= m), default=0)
+
+    def _between(self, lo: int, hi: int) -> range | list[int]:
+        """The allowed sizes strictly between lo and hi."""
+        if self.candidates is None:
+            return range(lo + 1, min(hi, self.max_micro_batch + 1))
+        return [c for c in self.candidates if lo < c < hi]
+
+    def _snap_probes(self, probes: tuple[int, int]) -> tuple[int, int]:
+        if self.candidates is None:
+            return min(probes[0], self.max_micro_batch - 1), min(probes[1], self.max_micro_batch)
+        first = self._floor(probes[0]) or self.candidates[0]
+        second = self._floor(probes[1])
+        if second <= first:
+            second = next((c for c in self.candidates if c > first), first)
+        return first, second
+
     # -- the procedure ------------------------------------------------------------------------
 
     def _decide(self) -> int | None:
         fitted = [t.micro_batch_size for t in self.trials if t.fits(self.budget_mb)]
         missed = [t.micro_batch_size for t in self.trials if not t.fits(self.budget_mb)]
+        tried = {t.micro_batch_size for t in self.trials}
         lo = max(fitted, default=0)
         hi = min((m for m in missed if m > lo), default=None)
-        if len(self.trials) == 1:
-            return self.probes[1] if fitted else None  # the smallest probe does not fit: stop
+        if not fitted:
+            # Nothing fits yet (the probes were placed too high): halve below the smallest miss.
+            below = self._between(0, min(missed))
+            if not below:
+                return None  # the smallest size does not fit: no answer
+            half = self._floor(min(missed) // 2) or below[0]
+            return half if half not in tried else None
+        if hi is None and self.probes[1] not in tried and self.probes[1] > lo:
+            return self.probes[1]
         measured = sorted({t.micro_batch_size for t in self.trials if t.peaks_mb})
         if len(measured) >= 2:
             # Refit on the two largest sizes measured: memory is convex in the micro-batch
@@ -143,45 +205,44 @@ class MicroBatchSearch:
             # nearest the answer give the line that matters there.
             self.model = LinearMemoryModel.fit([t for t in self.trials if t.micro_batch_size in measured[-2:]])
         limit = self.budget_mb * (1 - self.margin)
-        tried = {t.micro_batch_size for t in self.trials}
         if hi is None:
             if self.model is None:
                 return None
-            prediction = self.model.largest_under(limit, self.max_micro_batch)
-            if prediction > lo and prediction not in tried:
-                ramp = RAMP * max(measured)
-                if prediction > ramp:
-                    # Far beyond anything measured (the probes may sit where a fixed level hides
-                    # the activations' growth): measure closer first, then predict again.
-                    return ramp
-                self.prediction = prediction
-                return prediction
-            return self._one_more(lo)
-        if hi - lo <= 1:
+            edge = self._floor(self.model.largest_under(self.budget_mb, self.max_micro_batch))
+            if not self._edge_tried:
+                # 1. The prediction under the margin, approached in RAMP-fold steps when far
+                #    beyond anything measured (the probes may sit where a fixed level hides the
+                #    activations' growth).
+                prediction = self._floor(self.model.largest_under(limit, self.max_micro_batch))
+                if prediction > lo and prediction not in tried:
+                    ramp = self._floor(RAMP * max(measured))
+                    if prediction > ramp > lo and ramp not in tried:
+                        return ramp
+                    self.prediction = prediction
+                    return prediction
+            # 2. It fitted: the line refitted through it is exact near the edge, so step to the
+            #    largest size it puts under the whole budget (the margin's worth at once, not
+            #    one size per trial); after that, only a step of more than TOLERANCE is worth it.
+            if edge <= lo or edge in tried or (self._edge_tried and lo >= (1 - self.tolerance) * edge):
+                return None
+            self._edge_tried = True
+            self.prediction = edge
+            return edge
+        # A miss above the largest fit: done when no size between them is worth a trial.
+        between = self._between(lo, hi)
+        if not between or lo >= (1 - self.tolerance) * between[-1]:
             return None
-        # A miss. With figures on both sides, the refitted line predicts inside the gap (a
-        # secant step); otherwise, or when it points outside, bisect.
+        # The refitted line predicts inside the gap (a secant step), under the margin first;
+        # otherwise (no line, or one that points past the miss) bisect.
         if self.model is not None:
-            prediction = self.model.largest_under(limit, self.max_micro_batch)
-            if lo < prediction < hi and prediction not in tried:
-                self.prediction = prediction
-                return prediction
-            if prediction <= lo and lo + 1 not in tried:
-                return lo + 1  # the line puts the edge just above the largest fit: check it
-        return (lo + hi) // 2
+            for cap in (limit, self.budget_mb):
+                prediction = self._floor(self.model.largest_under(cap, self.max_micro_batch))
+                if lo < prediction < hi and prediction not in tried:
+                    self.prediction = prediction
+                    return prediction
+            if prediction <= lo:
+                return between[0]  # the line puts the edge at the largest fit: check the next size
+        return between[(len(between) - 1) // 2]  # nothing between lo and hi was tried
 
-    def _one_more(self, lo: int) -> int | None:
-        """The margin (or allocator rounding) may have cost a size: when the largest fitting
-        trial's measured peaks plus one sample's worth still fit the budget, try one more."""
-        last = next(t for t in reversed(self.trials) if t.micro_batch_size == lo)
-        if self.model is None or not last.peaks_mb or lo >= self.max_micro_batch:
-            return None
-        grown = max(v + self.model.per_sample.get(k, 0.0) for k, v in last.peaks_mb.items())
-        return lo + 1 if grown <= self.budget_mb else None
-
-
-RAMP = 16
-"""A prediction more than this many times the largest size measured is approached by measuring
-that multiple first."""
 
 PEAK_PREFIX = "peak_mb/"  # result keys "peak_mb/<rank/stage/phase>" carry a trial's peaks

@@ -1,0 +1,234 @@
+"""`tune.search=layout`: the parallel layout for a device count, free of Ray.
+
+For `devices` devices (`devices_per_node` per node) and a fixed global batch `G`, every point is
+a way to train that batch:
+- dp x pp x tp = devices, with tp dividing a node's devices (tensor parallelism stays on a node);
+- the schedule (pp > 1: gpipe, 1f1b, and with two stages per rank interleaved_1f1b,
+  interleaved_zb, zbv);
+- dp_shard (dp > 1: replicated or FSDP2-sharded);
+- activation checkpointing (the settings `tune.activation_checkpointing` asks for);
+- the micro-batch size, among the sizes that divide G / dp (and leave a valid schedule).
+
+Every point the config checks reject is dropped; so is every point whose planned peak memory
+(rayhybrid/plan/) is over the budget less the margin: no trial is spent on either. Trials then:
+1. the base config as given (`baseline`, when it uses `devices` ranks and fits): the figure the
+   winner is compared with;
+2. one point per (dp, pp, tp) layout (`max_trials` less three of them at most), in the order
+   of the fewest bytes communicated per step by the busiest rank (the planner's estimate): 1F1B (the trainer's default), unsharded and without checkpointing when that fits,
+   and the largest micro-batch, in a pipeline the largest leaving at least 2 pp micro-batches per
+   step (a bubble of at most about a third under 1F1B);
+3. around the fastest point so far, one change at a time (the next larger and smaller
+   micro-batch, the other schedules, dp_shard, checkpointing), moving to any that is faster,
+   until `max_trials` trials have run or no change is left.
+The fastest point that fitted wins. Its memory was predicted before it ran: `planned_mb` beside
+the measured peak, for every trial.
+
+    plan = LayoutPlan(cfg, devices=8, devices_per_node=8, global_batch=16, budget_mb=64)
+    while (point := plan.next()) is not None:
+        plan.observe(point, run_trial(point))
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rayhybrid.config.schema import Config
+from rayhybrid.tune.plan import Point, Record, record_of
+from rayhybrid.tune.space import batch_sizes, is_valid, planned_peak_mb, trial_config
+
+log = logging.getLogger("rayhybrid")
+
+STAGES_PER_RANK = {"1f1b": 1, "gpipe": 1, "zbv": 2, "interleaved_1f1b": 2, "interleaved_zb": 2}
+"""The schedules a layout search tries, with the stages per rank it gives each (the order is the
+order phase 3 tries them in after the representative's 1F1B)."""
+
+
+def factorizations(devices: int, devices_per_node: int) -> list[tuple[int, int, int]]:
+    """Every (dp, pp, tp) with dp x pp x tp = devices and tp dividing a node's devices."""
+    out = []
+    for tp in range(1, devices + 1):
+        if devices % tp or devices_per_node % tp:
+            continue
+        for pp in range(1, devices // tp + 1):
+            if (devices // tp) % pp == 0:
+                out.append((devices // (tp * pp), pp, tp))
+    return out
+
+
+def _layout_point(dp, pp, tp, schedule, dp_shard, ac, m, per_replica) -> Point:
+    v = STAGES_PER_RANK[schedule] if pp > 1 else 1
+    return Point(m, per_replica // m, ac, (dp, pp, tp, schedule if pp > 1 else "1f1b", v, dp_shard))
+
+
+class LayoutPlan:
+    """The search above, driven like `TunePlan` (next / observe; `records`, `best`)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        devices: int,
+        devices_per_node: int,
+        global_batch: int,
+        budget_mb: float,
+        margin: float = 0.01,
+        activation_checkpointing: tuple[bool, ...] = (False, True),
+        max_trials: int = 10,
+        metric: str = "tokens_per_s",
+        cuda: bool = False,
+        baseline: Point | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.budget_mb = budget_mb
+        self.metric = metric
+        self.max_trials = max_trials
+        self.cuda = cuda
+        self.limit_mb = budget_mb * (1 - margin)
+        self.records: list[Record] = []
+        self.planned: dict[Point, float] = {}  # every point that validates -> its planned peak MB
+        self._pending: tuple[Point, str] | None = None
+        settings = [bool(ac) for ac in dict.fromkeys(activation_checkpointing)]
+        self.layouts = []
+        for dp, pp, tp in factorizations(devices, devices_per_node):
+            if global_batch % dp:
+                continue
+            found = False
+            schedules = list(STAGES_PER_RANK) if pp > 1 else ["1f1b"]
+            for schedule in schedules:
+                for dp_shard in (False, True) if dp > 1 else (False,):
+                    base = _layout_point(dp, pp, tp, schedule, dp_shard, False, 1, global_batch // dp).as_config("")
+                    if not is_valid(trial_config(cfg, {**base, "micro_batch_size": 1})):
+                        continue
+                    for m in batch_sizes(cfg, global_batch // dp, base):
+                        for ac in settings:
+                            point = _layout_point(dp, pp, tp, schedule, dp_shard, ac, m, global_batch // dp)
+                            planned = planned_peak_mb(trial_config(cfg, point.as_config("")), cuda=cuda)
+                            if planned is None:
+                                raise ValueError("a layout search needs the planner's memory model for the model")
+                            self.planned[point] = planned
+                            found = True
+            if found:
+                self.layouts.append((dp, pp, tp))
+        self.fitting = [p for p, mb in self.planned.items() if mb <= self.limit_mb]
+        self.pruned = len(self.planned) - len(self.fitting)
+        reps = sorted(
+            (r for r in (self._representative(layout) for layout in self.layouts) if r is not None),
+            key=self._promise,
+        )
+        self._queue: list[tuple[Point, str]] = []
+        if baseline is not None:
+            self.planned.setdefault(baseline, planned_peak_mb(trial_config(cfg, baseline.as_config("")), cuda=cuda))
+            if self.planned[baseline] is not None and self.planned[baseline] <= self.limit_mb:
+                self._queue.append((baseline, "baseline"))
+        self._queue += [(p, "layout") for p in reps[: max(1, max_trials - 3)]]
+        log.info(
+            "layout search: %d layouts, %d points that validate, %d pruned by planned memory over %.1f MB; "
+            "at most %d trials",
+            len(self.layouts),
+            len(self.planned),
+            self.pruned,
+            self.limit_mb,
+            max_trials,
+        )
+
+    # -- choosing ---------------------------------------------------------------------------
+
+    def _representative(self, layout: tuple[int, int, int]) -> Point | None:
+        """1F1B, unsharded, no checkpointing when such a point fits (then sharded, then with
+        checkpointing); the largest micro-batch leaving at least 2 pp micro-batches, else the
+        largest."""
+        pp = layout[1]
+        mine = [p for p in self.fitting if p.layout[:3] == layout and p.layout[3] == "1f1b"]
+        for ac, shard in ((False, False), (False, True), (True, False), (True, True)):
+            options = [p for p in mine if p.activation_checkpointing == ac and p.layout[5] == shard]
+            if options:
+                filled = [p for p in options if p.num_microbatches >= 2 * pp] if pp > 1 else options
+                return max(filled or options, key=lambda p: p.micro_batch_size)
+        return None
+
+    def _promise(self, point: Point) -> tuple[float, float]:
+        """Order of the layouts' trials: the fewest bytes the busiest rank moves per step (the
+        planner's communication estimate), then the smallest pipeline bubble; the compute is
+        the same for every layout of a device count."""
+        from rayhybrid.plan import estimate as est
+
+        cfg = trial_config(self.cfg, point.as_config(""))
+        t = cfg.topology
+        wire = max(est.communication(cfg, r)["total_wire_bytes"] for r in range(t.pp))
+        return wire, est.bubble_fraction(t.schedule, t.pp, point.num_microbatches, t.stages_per_rank)[0]
+
+    def _variants(self, best: Point) -> list[Point]:
+        """One change at a time from `best`: the neighbouring micro-batch sizes, the other
+        schedules, dp_shard, checkpointing (each with the largest micro-batch it fits at, up to
+        best's when that fits)."""
+        dp, pp, _, schedule, _, shard = best.layout
+        same = [p for p in self.fitting if p.layout[:3] == best.layout[:3]]
+
+        def like(schedule=schedule, shard=shard, ac=best.activation_checkpointing) -> list[Point]:
+            return sorted(
+                (
+                    p
+                    for p in same
+                    if p.layout[3] == schedule and p.layout[5] == shard and p.activation_checkpointing == ac
+                ),
+                key=lambda p: p.micro_batch_size,
+            )
+
+        out = []
+        sizes = like()
+        i = sizes.index(best) if best in sizes else -1
+        if i >= 0:
+            out += sizes[i + 1 : i + 2] + sizes[max(i - 1, 0) : i]
+
+        def near(options: list[Point]) -> Point:
+            return min(options, key=lambda p: abs(p.micro_batch_size - best.micro_batch_size))
+
+        for other in (s for s in STAGES_PER_RANK if s != schedule and pp > 1):
+            if options := like(schedule=other):
+                out.append(near(options))
+        if dp > 1 and (options := like(shard=not shard)):
+            out.append(near(options))
+        if options := like(ac=not best.activation_checkpointing):
+            out.append(max(options, key=lambda p: p.micro_batch_size))
+        return out
+
+    # -- the two calls a driver makes -------------------------------------------------------
+
+    def next(self) -> dict | None:
+        if self._pending is not None:
+            raise RuntimeError("observe the running trial first")
+        if len(self.records) >= self.max_trials:
+            return None
+        run = {r.point for r in self.records}
+        while self._queue and self._queue[0][0] in run:
+            self._queue.pop(0)
+        if not self._queue:
+            best = self.best
+            if best is not None:
+                self._queue = [(p, "refine") for p in self._variants(best.point) if p not in run]
+        if not self._queue:
+            return None
+        self._pending = self._queue.pop(0)
+        return self._pending[0].as_config(self._pending[1])
+
+    def observe(self, config: dict, result: dict | None, error: bool = False) -> Record:
+        point, purpose = self._pending or (None, None)
+        if point is None or point.as_config(purpose) != config:
+            raise ValueError(f"expected a result for {self._pending}, got {config}")
+        self._pending = None
+        record = record_of(point, purpose, result, error, planned_mb=self.planned.get(point))
+        self.records.append(record)
+        best = self.best
+        if purpose == "refine" and best is not None and best.point == point:
+            self._queue = []  # a faster point: its own changes come next
+        return record
+
+    # -- results ----------------------------------------------------------------------------
+
+    @property
+    def best(self) -> Record | None:
+        fitting = [r for r in self.records if r.fits(self.budget_mb)]
+        return max(fitting, key=lambda r: r.speed(self.metric), default=None)
+
+    @property
+    def baseline(self) -> Record | None:
+        return next((r for r in self.records if r.purpose == "baseline"), None)
