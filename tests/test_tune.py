@@ -1,5 +1,7 @@
-"""`python -m rayhybrid.tune` end to end on CPU: a real search with the real trainer on pp2, its
-outputs, and that its answer is the largest micro-batch that fits and trains as printed."""
+"""`python -m rayhybrid.tune` end to end on CPU: real searches with the real trainer on pp2 (a
+small and a large budget, a fixed global batch) and a layout search on 4 ranks; their outputs,
+and that the answer is the largest micro-batch that fits (one more runs out of memory in a real
+run) and trains as printed."""
 
 from __future__ import annotations
 
@@ -65,12 +67,9 @@ def test_memory_search_targets(tuned):
     assert summary["largest_micro_batch"]["true"] > summary["largest_micro_batch"]["false"]
 
 
-def test_one_more_sample_does_not_fit(tuned, tmp_path):
-    """The search's largest micro-batch (no checkpointing) is the true maximum: one more sample
-    runs out of the budget in a real training run."""
-    _, run, _ = tuned
-    largest = json.loads((run / "tune_summary.json").read_text())["largest_micro_batch"]["false"]
-    m = largest + 1
+def assert_one_more_does_not_fit(m: int, budget_mb: float, tmp_path) -> None:
+    """A real pp2 training run at micro-batch `m` (2 micro-batches, as the memory search runs)
+    runs out of `budget_mb`."""
     proc = run_cli(
         [
             "+topology=pp2",
@@ -78,7 +77,7 @@ def test_one_more_sample_does_not_fit(tuned, tmp_path):
             f"train.global_batch_size={2 * m}",
             "train.steps=2",
             "metrics.memory=true",
-            f"tune.memory_budget_mb={BUDGET_MB}",
+            f"tune.memory_budget_mb={budget_mb}",
             "fault.max_restarts=0",
             "checkpoint.every=0",
             f"hydra.run.dir={tmp_path}/over",
@@ -86,6 +85,118 @@ def test_one_more_sample_does_not_fit(tuned, tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 1 and "OutOfMemoryError" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_one_more_sample_does_not_fit(tuned, tmp_path):
+    """The search's largest micro-batch (no checkpointing) is the true maximum: one more sample
+    runs out of the budget in a real training run."""
+    _, run, _ = tuned
+    largest = json.loads((run / "tune_summary.json").read_text())["largest_micro_batch"]["false"]
+    assert_one_more_does_not_fit(largest + 1, BUDGET_MB, tmp_path)
+
+
+def test_a_large_budget_takes_at_most_four_memory_trials(tmp_path):
+    """The crawl this replaced: at 400 MB the search went up one size per trial after its
+    prediction (25 trials in all). At a budget ten times the small one's (a micro-batch near 50)
+    it takes at most 4 memory trials (3 with the planner's probes) and ends on the true maximum:
+    one more sample runs out of memory in a real run."""
+    budget = 60
+    proc = run_cli(
+        [
+            "+topology=pp2",
+            f"tune.memory_budget_mb={budget}",
+            "tune.activation_checkpointing=[false]",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+        module="rayhybrid.tune",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "tune_summary.json").read_text())
+    largest = summary["largest_micro_batch"]["false"]
+    assert summary["memory_trials"]["false"] <= 4 and largest >= 40, summary
+    assert summary["planner_error"]["max"] < 0.01  # the planner placed the probes: it knows this model
+    assert_one_more_does_not_fit(largest + 1, budget, tmp_path)
+
+
+def test_a_fixed_global_batch(tmp_path):
+    """tune.global_batch_size=32 on pp2: every trial trains 32 samples per step in micro-batches
+    that divide it, the fastest that fits wins, and best.yaml keeps 32."""
+    budget, g = 8, 32  # micro-batch 8 of 32 (4 micro-batches) needs about 11 MB, 4 about 7.2
+    proc = run_cli(
+        [
+            "+topology=pp2",
+            f"tune.memory_budget_mb={budget}",
+            f"tune.global_batch_size={g}",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+        module="rayhybrid.tune",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "run"
+    with open(run / "tune_results.csv") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        m, n = int(r["micro_batch_size"]), int(r["num_microbatches"])
+        assert int(r["global_batch_size"]) == m * n == g and n >= 2  # 1F1B: at least pp micro-batches
+    summary = json.loads((run / "tune_summary.json").read_text())
+    assert summary["global_batch_size"] == g and summary["largest_micro_batch"] == {"false": 4, "true": 8}
+    assert all(n <= 4 for n in summary["memory_trials"].values())
+    fitting = [r for r in rows if r["fits"] == "1"]
+    fastest = max(fitting, key=lambda r: float(r["tokens_per_cpu_s"]))
+    best = (run / "best.yaml").read_text()
+    assert f"train.global_batch_size: {g}" in best
+    assert f"train.micro_batch_size: {fastest['micro_batch_size']}" in best
+    assert (
+        f"train.activation_checkpointing: {'true' if fastest['activation_checkpointing'] == '1' else 'false'}" in best
+    )
+
+
+def test_layout_search_on_four_ranks(tmp_path):
+    """tune.search=layout tune.devices=4 from dp2 x pp2: the planner rules out the points over
+    the budget (no trial spent on them, none runs out of memory), the trials (at most
+    tune.max_trials) show planned beside measured memory, the baseline (dp2 x pp2 as given)
+    runs first, and the winner is the fastest that fitted, with a command to train it."""
+    budget, trials = 6.5, 6
+    proc = run_cli(
+        [
+            "+topology=dp2_pp2",
+            "tune.search=layout",
+            "tune.devices=4",
+            f"tune.memory_budget_mb={budget}",
+            f"tune.max_trials={trials}",
+            "tune.steps=2",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+        module="rayhybrid.tune",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "run"
+    with open(run / "tune_results.csv") as f:
+        rows = list(csv.DictReader(f))
+    summary = json.loads((run / "tune_summary.json").read_text())
+    assert 3 <= len(rows) <= trials and summary["trials"] == len(rows)
+    assert rows[0]["purpose"] == "baseline" and (rows[0]["dp"], rows[0]["pp"], rows[0]["tp"]) == ("2", "2", "1")
+    assert len({(r["dp"], r["pp"], r["tp"]) for r in rows}) >= 3  # several layouts were timed
+    assert summary["pruned_by_planned_memory"] > 0 and summary["points"] > len(rows)
+    for r in rows:
+        assert int(r["dp"]) * int(r["pp"]) * int(r["tp"]) == 4 and int(r["global_batch_size"]) == 16
+        assert r["fits"] == "1" and r["oom"] == "0", r  # the planner kept what cannot fit out
+        assert float(r["planned_mb"]) <= budget * 0.99
+        assert abs(float(r["planned_mb"]) / float(r["peak_mb"]) - 1) < 0.1, r
+    assert "planned" in proc.stdout and "tokens/CPU-s" in proc.stdout
+    fastest = max(rows, key=lambda r: float(r["tokens_per_cpu_s"]))
+    best = summary["best"]
+    assert best["tokens_per_cpu_s"] == float(fastest["tokens_per_cpu_s"])
+    assert f"topology.dp={fastest['dp']}" in best["command"] and f"topology.tp={fastest['tp']}" in best["command"]
+    assert summary["baseline"]["speedup"] >= 1.0
+    for name in ("memory.png", "throughput.png"):
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_best_yaml_and_the_printed_command_train(tuned, tmp_path):
@@ -118,6 +229,9 @@ def test_best_yaml_and_the_printed_command_train(tuned, tmp_path):
     "args, words",
     [
         (["tune.probes=[2,1]"], ["tune.probes", "increasing"]),
+        (["tune.search=grid"], ["tune.search", "layout"]),
+        (["+topology=dp2", "tune.global_batch_size=15", "tune.memory_budget_mb=6"], ["tune.global_batch_size", "dp=2"]),
+        (["tune.max_trials=0"], ["tune.max_trials"]),
         (["tune.steps=1"], ["tune.steps", "at least 2"]),
         (["tune.activation_checkpointing=[]"], ["tune.activation_checkpointing"]),
         (["+topology=pp2", "tune.num_microbatches=1", "tune.memory_budget_mb=6"], ["1f1b"]),

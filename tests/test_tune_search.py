@@ -54,8 +54,8 @@ class Oracle:
         return m
 
 
-def search(oracle: Oracle) -> MicroBatchSearch:
-    s = MicroBatchSearch(budget_mb=oracle.budget_mb)
+def search(oracle: Oracle, probes: tuple[int, int] = (1, 2), candidates=None) -> MicroBatchSearch:
+    s = MicroBatchSearch(budget_mb=oracle.budget_mb, probes=probes, candidates=candidates)
     while (m := s.next()) is not None:
         s.observe(m, *oracle.run(m))
     return s
@@ -71,6 +71,17 @@ def oracles(n: int, **kwargs) -> list[Oracle]:
     return made
 
 
+def planned_probes(oracle: Oracle, rng: random.Random, error: float = 0.03) -> tuple[int, int]:
+    """Probes where `python -m rayhybrid.tune` puts them: the planner's largest size under the
+    budget less the margin, and half of it; here the planner is the oracle, off by up to
+    `error` either way (the real one is within 0.1% on CPU, a few % on the layouts' FSDP and ZBV)."""
+    off = 1 + rng.uniform(-error, error)
+    largest = 0
+    while max(oracle.peaks(largest + 1).values()) * off <= oracle.budget_mb * 0.99:
+        largest += 1
+    return (max(1, largest // 2), largest) if largest >= 2 else (1, 2)
+
+
 def test_targets_on_linear_oracles():
     trials, accuracy, errors = [], [], []
     for oracle in oracles(200):
@@ -81,16 +92,58 @@ def test_targets_on_linear_oracles():
         measured = max(oracle.peaks(s.best).values())
         errors.append(abs(s.predicted_peak_mb(s.best) - measured) / measured)
         assert max(oracle.peaks(s.best).values()) <= oracle.budget_mb  # the answer fits
-    assert statistics.median(trials) <= 3
+    # From probes at 1 and 2: the prediction, one step to the edge, and a RAMP step when the
+    # answer is far (more than 32).
+    assert statistics.median(trials) <= 3 and max(trials) <= 5
     assert min(accuracy) >= 0.97
     assert max(errors) <= 0.05
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"superlinear": 0.01}, {"superlinear": 0.02, "cuda": True}])
+def test_planned_probes_reach_the_answer_in_at_most_four_trials(kwargs):
+    """The issue's target: at most 4 memory trials and at least 97% of the true maximum, with the
+    probes the planner places (off by up to 3%), on linear, superlinear and out-of-memory
+    (no figures) oracles."""
+    rng = random.Random(77)
+    trials, accuracy = [], []
+    for oracle in oracles(200, **kwargs):
+        s = search(oracle, planned_probes(oracle, rng))
+        trials.append(len(s.trials))
+        accuracy.append(s.best / oracle.true_max())
+        assert max(oracle.peaks(s.best).values()) <= oracle.budget_mb
+    assert min(accuracy) >= 0.97
+    assert max(trials) <= (4 if not kwargs.get("cuda") else 5)  # a miss without figures bisects once
+    assert statistics.median(trials) <= 3
+
+
+def test_a_large_budget_does_not_crawl():
+    """The defect this replaces: after its prediction (under a 1% margin) the search tried one
+    size more per trial while the measured peaks plus a sample still fitted, 8 trials for
+    `+topology=pp2 tune.memory_budget_mb=400` (347, 348, ... 351) and 13 with checkpointing.
+    Here the memory is the planner's for that very run (exact to 0.1% on CPU)."""
+    from rayhybrid.config.compose import compose, to_config
+    from rayhybrid.tune import space
+
+    cfg = to_config(compose(["+topology=pp2"]))
+    for ac, truth in ((False, 351), (True, 790)):
+
+        def peaks(m):
+            point = {"micro_batch_size": m, "num_microbatches": 2, "activation_checkpointing": ac}
+            return {"all": space.planned_peak_mb(space.trial_config(cfg, point))}
+
+        for probes, most in (((1, 2), 5), (space.planned_probes(truth, (1, 2)), 3)):
+            s = MicroBatchSearch(400.0, probes=probes)
+            while (m := s.next()) is not None:
+                p = peaks(m)
+                s.observe(m, p, p["all"] > 400.0)
+            assert s.best == truth and len(s.trials) <= most, [t.micro_batch_size for t in s.trials]
 
 
 def test_superlinear_memory_is_caught_by_verification_and_bisection():
     for oracle in oracles(50, superlinear=0.01):
         s = search(oracle)
         truth = oracle.true_max()
-        assert s.best == truth  # a miss is bisected down to the exact answer
+        assert truth >= s.best >= 0.97 * truth  # a miss is narrowed to within the tolerance
         # Two probes, the verification, a bisection below the prediction, one more at the top.
         assert len(s.trials) <= 3 + math.ceil(math.log2(max(s.prediction or 2, 2))) + 1
 
@@ -98,7 +151,7 @@ def test_superlinear_memory_is_caught_by_verification_and_bisection():
 def test_out_of_memory_without_figures():
     for oracle in oracles(50, superlinear=0.02, cuda=True):
         s = search(oracle)
-        assert s.best == oracle.true_max()
+        assert oracle.true_max() >= s.best >= 0.97 * oracle.true_max()
     # The smallest probe does not fit: the search stops at once with no answer.
     rng = random.Random(0)
     tiny = Oracle(rng, budget_mb=100.0)
@@ -109,6 +162,20 @@ def test_out_of_memory_without_figures():
     tiny.keys = {"stage0/backward": (50.0, 30.0)}
     s = search(tiny)
     assert s.best == 1 and [t.micro_batch_size for t in s.trials] == [1, 2]
+    # Probes placed too high (a planner far too optimistic): halve until something fits.
+    s = search(tiny, probes=(8, 16))
+    assert s.best == 1 and [t.micro_batch_size for t in s.trials] == [8, 4, 2, 1]
+
+
+def test_candidates_only():
+    """A fixed global batch allows only the sizes that divide it per replica: the search tries
+    nothing else and ends on the largest of them that fits."""
+    for oracle in oracles(100):
+        truth = oracle.true_max()
+        candidates = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if m <= 4 * truth + 4]
+        s = search(oracle, probes=(1, 2), candidates=candidates)
+        assert {t.micro_batch_size for t in s.trials} <= set(candidates)
+        assert s.best == max(m for m in candidates if m <= truth)
 
 
 def test_linear_model_is_exact_on_two_points_and_predicts_the_bound():
@@ -267,3 +334,20 @@ def test_a_fixed_level_that_hides_growth_at_the_probes_is_approached_not_jumped_
     sizes = [t.micro_batch_size for t in s.trials]
     assert s.best == truth == 27
     assert sizes[2] == RAMP * 2 and len(sizes) <= 5 and not any(t.oom for t in s.trials)
+
+
+def test_the_global_batch_to_keep():
+    """tune.global_batch_size fixes the global batch; `${train.global_batch_size}` keeps the
+    training one; a layout search always fixes one (the training one by default); 0 leaves it
+    free."""
+    from rayhybrid.config.compose import compose, to_config
+    from rayhybrid.tune.run import fixed_global_batch
+
+    def fixed(*overrides):
+        return fixed_global_batch(to_config(compose(list(overrides))))
+
+    assert fixed("train.global_batch_size=24") == 0
+    assert fixed("train.global_batch_size=24", "tune.global_batch_size=${train.global_batch_size}") == 24
+    assert fixed("tune.global_batch_size=48") == 48
+    assert fixed("train.global_batch_size=24", "tune.search=layout") == 24
+    assert fixed("tune.global_batch_size=32", "tune.search=layout") == 32

@@ -133,16 +133,22 @@ class LayoutPlan:
     # -- choosing ---------------------------------------------------------------------------
 
     def _representative(self, layout: tuple[int, int, int]) -> Point | None:
-        """1F1B, unsharded, no checkpointing when such a point fits (then sharded, then with
-        checkpointing); the largest micro-batch leaving at least 2 pp micro-batches, else the
-        largest."""
+        """1F1B (or, where it cannot run or fit, the first schedule of STAGES_PER_RANK that
+        can), unsharded, no checkpointing when such a point fits (then sharded, then with
+        checkpointing); the largest micro-batch, in a pipeline the largest leaving at least 2 pp
+        micro-batches."""
         pp = layout[1]
-        mine = [p for p in self.fitting if p.layout[:3] == layout and p.layout[3] == "1f1b"]
-        for ac, shard in ((False, False), (False, True), (True, False), (True, True)):
-            options = [p for p in mine if p.activation_checkpointing == ac and p.layout[5] == shard]
-            if options:
-                filled = [p for p in options if p.num_microbatches >= 2 * pp] if pp > 1 else options
-                return max(filled or options, key=lambda p: p.micro_batch_size)
+        mine = [p for p in self.fitting if p.layout[:3] == layout]
+        for schedule in STAGES_PER_RANK:
+            for ac, shard in ((False, False), (False, True), (True, False), (True, True)):
+                options = [
+                    p
+                    for p in mine
+                    if p.layout[3] == schedule and p.activation_checkpointing == ac and p.layout[5] == shard
+                ]
+                if options:
+                    filled = [p for p in options if p.num_microbatches >= 2 * pp] if pp > 1 else options
+                    return max(filled or options, key=lambda p: p.micro_batch_size)
         return None
 
     def _promise(self, point: Point) -> tuple[float, float]:
@@ -158,8 +164,8 @@ class LayoutPlan:
 
     def _variants(self, best: Point) -> list[Point]:
         """One change at a time from `best`: the neighbouring micro-batch sizes, the other
-        schedules, dp_shard, checkpointing (each with the largest micro-batch it fits at, up to
-        best's when that fits)."""
+        schedules and dp_shard (each at the micro-batch nearest best's), checkpointing (at the
+        largest micro-batch it fits)."""
         dp, pp, _, schedule, _, shard = best.layout
         same = [p for p in self.fitting if p.layout[:3] == best.layout[:3]]
 

@@ -97,7 +97,9 @@ out: the last few percent are not worth a trial each."""
 
 RAMP = 16
 """A prediction more than this many times the largest size measured is approached by measuring
-that multiple first."""
+that multiple first (once: when that trial measures what the line predicted for it, within
+RAMP_AGREEMENT, the line holds and the prediction is tried next)."""
+RAMP_AGREEMENT = 0.05
 
 
 class MicroBatchSearch:
@@ -128,6 +130,8 @@ class MicroBatchSearch:
         self.model: LinearMemoryModel | None = None
         self.prediction: int | None = None
         self._edge_tried = False
+        self._ramp: tuple[int, float] | None = None  # the last RAMP step and the peak the line gave it
+        self._line_confirmed = False  # a RAMP step measured what the line predicted: no more ramps
         self._next: int | None = self.probes[0]
 
     # -- the two calls a driver makes ---------------------------------------------------------
@@ -205,6 +209,13 @@ class MicroBatchSearch:
             # nearest the answer give the line that matters there.
             self.model = LinearMemoryModel.fit([t for t in self.trials if t.micro_batch_size in measured[-2:]])
         limit = self.budget_mb * (1 - self.margin)
+        if self._ramp is not None:
+            ramp, expected = self._ramp
+            last = self.trials[-1]
+            if last.micro_batch_size == ramp and last.peaks_mb:
+                measured_peak = max(last.peaks_mb.values())
+                self._line_confirmed = abs(expected - measured_peak) <= RAMP_AGREEMENT * measured_peak
+            self._ramp = None
         if hi is None:
             if self.model is None:
                 return None
@@ -216,7 +227,8 @@ class MicroBatchSearch:
                 prediction = self._floor(self.model.largest_under(limit, self.max_micro_batch))
                 if prediction > lo and prediction not in tried:
                     ramp = self._floor(RAMP * max(measured))
-                    if prediction > ramp > lo and ramp not in tried:
+                    if prediction > ramp > lo and ramp not in tried and not self._line_confirmed:
+                        self._ramp = (ramp, self.model.peak(ramp))
                         return ramp
                     self.prediction = prediction
                     return prediction
