@@ -86,6 +86,25 @@ class Record:
     def fits(self, budget_mb: float) -> bool:
         return not self.oom and not self.error and bool(self.peaks_mb) and self.peak_mb <= budget_mb
 
+    def describe(self, budget_mb: float) -> str:
+        """One progress line: where the trial ran and what it measured."""
+        p = self.point
+        where = ""
+        if p.layout:
+            dp, pp, tp, schedule, _, shard = p.layout
+            where = f"dp{dp} pp{pp} tp{tp}{' ' + schedule if pp > 1 else ''}{' sharded' if shard else ''}, "
+        shape = f"{where}micro-batch {p.micro_batch_size} x {p.num_microbatches}{' AC' if p.activation_checkpointing else ''}"
+        planned = f" (planned {self.planned_mb:.2f})" if self.planned_mb is not None else ""
+        if self.oom:
+            return f"{shape}: out of memory{planned}"
+        if self.error:
+            return f"{shape}: failed: {self.error}"
+        verdict = "fits" if self.fits(budget_mb) else "over budget"
+        return (
+            f"{shape}: peak {self.peak_mb:.2f} MB{planned} of {budget_mb:g}, {verdict}; {self.tokens_per_s:,.0f} tok/s"
+            + (f", {self.tokens_per_cpu_s:,.0f} tok/CPU-s" if self.tokens_per_cpu_s else "")
+        )
+
     def speed(self, metric: str = "tokens_per_s") -> float:
         return getattr(self, metric)
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from ray.tune.search import Searcher
+
+log = logging.getLogger("rayhybrid")
 
 
 class PlanSearcher(Searcher):
@@ -38,4 +42,5 @@ class PlanSearcher(Searcher):
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         point = self.running.pop(trial_id, None)
         if point is not None:
-            self.plan.observe(point, result, error=error)
+            record = self.plan.observe(point, result, error=error)
+            log.info("trial %d (%s): %s", len(self.plan.records), record.purpose, record.describe(self.plan.budget_mb))
