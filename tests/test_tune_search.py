@@ -127,7 +127,7 @@ def test_a_large_budget_does_not_crawl():
     cfg = to_config(compose(["+topology=pp2"]))
     for ac, truth in ((False, 351), (True, 790)):
 
-        def peaks(m):
+        def peaks(m, ac=ac):
             point = {"micro_batch_size": m, "num_microbatches": 2, "activation_checkpointing": ac}
             return {"all": space.planned_peak_mb(space.trial_config(cfg, point))}
 

@@ -327,6 +327,7 @@ class TuneConfig:
     activation_checkpointing: tuple[bool, ...] = (False, True)
     """Settings of train.activation_checkpointing to search and time."""
     max_micro_batch: int = 4096
+    """The largest micro-batch size a search considers."""
     devices: int = 0
     """Layout search: the devices to lay out (ranks on CPU); 0: those of the topology given."""
     devices_per_node: int = 0

@@ -79,6 +79,7 @@ class LayoutPlan:
     ) -> None:
         self.cfg = cfg
         self.budget_mb = budget_mb
+        self.devices, self.devices_per_node = devices, devices_per_node
         self.metric = metric
         self.max_trials = max_trials
         self.cuda = cuda
@@ -115,10 +116,15 @@ class LayoutPlan:
             key=self._promise,
         )
         self._queue: list[tuple[Point, str]] = []
-        if baseline is not None:
-            self.planned.setdefault(baseline, planned_peak_mb(trial_config(cfg, baseline.as_config("")), cuda=cuda))
-            if self.planned[baseline] is not None and self.planned[baseline] <= self.limit_mb:
+        if baseline is not None and is_valid(trial_config(cfg, baseline.as_config(""))):
+            planned = self.planned.get(baseline) or planned_peak_mb(
+                trial_config(cfg, baseline.as_config("")), cuda=cuda
+            )
+            if planned <= self.limit_mb:
+                self.planned[baseline] = planned
                 self._queue.append((baseline, "baseline"))
+            else:
+                log.info("the base config is planned at %.2f MB, over the budget: no baseline trial", planned)
         self._queue += [(p, "layout") for p in reps[: max(1, max_trials - 3)]]
         log.info(
             "layout search: %d layouts, %d points that validate, %d pruned by planned memory over %.1f MB; "

@@ -212,9 +212,9 @@ class TunePlan:
             m = search.next()
             if m is not None:
                 return self._start(Point(m, self.num_microbatches(m), ac), "memory")
-        if self._throughput is None:
-            self._throughput = [p for p in self._frontier() if not self._planned_over(p)]
         measured = {r.point for r in self.records}
+        if self._throughput is None:
+            self._throughput = [p for p in self._frontier() if p in measured or not self._planned_over(p)]
         for point in self._throughput:
             if point not in measured:
                 return self._start(point, "throughput")

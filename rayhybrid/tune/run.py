@@ -259,6 +259,12 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
         if layout:
             gpus = max((n.get("Resources", {}).get("GPU", 0) for n in alive_nodes()), default=0)
             plan = layout_plan(cfg, budget, shape.use_gpu, metric, int(gpus))
+            if not plan.planned:
+                raise ConfigError(
+                    "tune.devices",
+                    f"no layout of {plan.devices} devices ({plan.devices_per_node} per node) is valid for this model "
+                    f"and global batch {fixed_global_batch(cfg)}; change tune.devices or tune.global_batch_size",
+                )
             if not plan.fitting:
                 raise RayHybridError(
                     f"no layout of {cfg.tune.devices or t.dp * t.pp * t.tp} devices is planned to fit "
@@ -350,8 +356,9 @@ def check_tune(cfg: Config) -> None:
                 f"layout needs the planner's memory model, which model {cfg.model.module or cfg.model.name} lacks "
                 "(ModelSpec.memory); search its micro-batch on a topology you choose instead",
             )
-        if tc.devices_per_node and tc.devices and tc.devices_per_node > tc.devices:
-            raise ConfigError("tune.devices_per_node", f"is more than tune.devices={tc.devices}")
+        devices = tc.devices or t.dp * t.pp * t.tp
+        if tc.devices_per_node > devices:
+            raise ConfigError("tune.devices_per_node", f"{tc.devices_per_node} is more than the {devices} devices")
         return
     if g and g % t.dp:
         raise ConfigError("tune.global_batch_size", f"{g} is not a multiple of topology.dp={t.dp}")

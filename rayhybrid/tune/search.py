@@ -8,7 +8,7 @@ micro-batches that is still linear in the micro-batch size). So:
 
 1. probe two micro-batch sizes and fit `fixed + per_sample * m` for each (rank, stage, phase).
    The probes are best placed near the answer: `python -m rayhybrid.tune` puts them at the
-   planner's predicted largest size and half of it (rayhybrid/tune/predict.py), so the line is
+   planner's predicted largest size and half of it (rayhybrid/tune/space.py), so the line is
    fitted where it is used; without a planner they are 1 and 2;
 2. predict the largest `m` whose highest predicted peak stays under the budget less a safety
    margin, and verify it with one trial (a prediction far beyond the sizes measured is approached
