@@ -18,20 +18,20 @@ BUDGET_MB = 6  # the tiny model on pp2: about 2 MB fixed and 0.6-1.1 MB per samp
 COLUMNS = {"micro_batch_size", "num_microbatches", "activation_checkpointing", "peak_mb", "oom", "tokens_per_s"}
 
 
-@pytest.fixture(scope="module")
-def tuned(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tune")
-    proc = run_cli(
-        ["+topology=pp2", f"tune.memory_budget_mb={BUDGET_MB}", f"hydra.run.dir={out}/run"],
-        cwd=out,
-        timeout=600,
-        module="rayhybrid.tune",
-    )
+def tune(out, *args):
+    """`python -m rayhybrid.tune *args` into `out/run`: it succeeds; (process, run directory,
+    tune_results.csv rows, tune_summary.json)."""
+    proc = run_cli([*args, f"hydra.run.dir={out}/run"], cwd=out, timeout=600, module="rayhybrid.tune")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = out / "run"
     with open(run / "tune_results.csv") as f:
         rows = list(csv.DictReader(f))
-    return proc, run, rows
+    return proc, run, rows, json.loads((run / "tune_summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    return tune(tmp_path_factory.mktemp("tune"), "+topology=pp2", f"tune.memory_budget_mb={BUDGET_MB}")[:3]
 
 
 def test_results_table_and_files(tuned):
@@ -101,19 +101,9 @@ def test_a_large_budget_takes_at_most_four_memory_trials(tmp_path):
     it takes at most 4 memory trials (3 with the planner's probes) and ends on the true maximum:
     one more sample runs out of memory in a real run."""
     budget = 60
-    proc = run_cli(
-        [
-            "+topology=pp2",
-            f"tune.memory_budget_mb={budget}",
-            "tune.activation_checkpointing=[false]",
-            f"hydra.run.dir={tmp_path}/run",
-        ],
-        cwd=tmp_path,
-        timeout=600,
-        module="rayhybrid.tune",
+    *_, summary = tune(
+        tmp_path, "+topology=pp2", f"tune.memory_budget_mb={budget}", "tune.activation_checkpointing=[false]"
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "tune_summary.json").read_text())
     largest = summary["largest_micro_batch"]["false"]
     assert summary["memory_trials"]["false"] <= 4 and largest >= 40, summary
     assert summary["planner_error"]["max"] < 0.01  # the planner placed the probes: it knows this model
@@ -124,25 +114,12 @@ def test_a_fixed_global_batch(tmp_path):
     """tune.global_batch_size=32 on pp2: every trial trains 32 samples per step in micro-batches
     that divide it, the fastest that fits wins, and best.yaml keeps 32."""
     budget, g = 8, 32  # micro-batch 8 of 32 (4 micro-batches) needs about 11 MB, 4 about 7.2
-    proc = run_cli(
-        [
-            "+topology=pp2",
-            f"tune.memory_budget_mb={budget}",
-            f"tune.global_batch_size={g}",
-            f"hydra.run.dir={tmp_path}/run",
-        ],
-        cwd=tmp_path,
-        timeout=600,
-        module="rayhybrid.tune",
+    _, run, rows, summary = tune(
+        tmp_path, "+topology=pp2", f"tune.memory_budget_mb={budget}", f"tune.global_batch_size={g}"
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = tmp_path / "run"
-    with open(run / "tune_results.csv") as f:
-        rows = list(csv.DictReader(f))
     for r in rows:
         m, n = int(r["micro_batch_size"]), int(r["num_microbatches"])
         assert int(r["global_batch_size"]) == m * n == g and n >= 2  # 1F1B: at least pp micro-batches
-    summary = json.loads((run / "tune_summary.json").read_text())
     assert summary["global_batch_size"] == g and summary["largest_micro_batch"] == {"false": 4, "true": 8}
     assert all(n <= 4 for n in summary["memory_trials"].values())
     fitting = [r for r in rows if r["fits"] == "1"]
@@ -161,25 +138,15 @@ def test_layout_search_on_four_ranks(tmp_path):
     tune.max_trials) show planned beside measured memory, the baseline (dp2 x pp2 as given)
     runs first, and the winner is the fastest that fitted, with a command to train it."""
     budget, trials = 6.5, 6
-    proc = run_cli(
-        [
-            "+topology=dp2_pp2",
-            "tune.search=layout",
-            "tune.devices=4",
-            f"tune.memory_budget_mb={budget}",
-            f"tune.max_trials={trials}",
-            "tune.steps=2",
-            f"hydra.run.dir={tmp_path}/run",
-        ],
-        cwd=tmp_path,
-        timeout=600,
-        module="rayhybrid.tune",
+    proc, run, rows, summary = tune(
+        tmp_path,
+        "+topology=dp2_pp2",
+        "tune.search=layout",
+        "tune.devices=4",
+        f"tune.memory_budget_mb={budget}",
+        f"tune.max_trials={trials}",
+        "tune.steps=2",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = tmp_path / "run"
-    with open(run / "tune_results.csv") as f:
-        rows = list(csv.DictReader(f))
-    summary = json.loads((run / "tune_summary.json").read_text())
     assert 3 <= len(rows) <= trials and summary["trials"] == len(rows)
     assert rows[0]["purpose"] == "baseline" and (rows[0]["dp"], rows[0]["pp"], rows[0]["tp"]) == ("2", "2", "1")
     assert len({(r["dp"], r["pp"], r["tp"]) for r in rows}) >= 3  # several layouts were timed

@@ -248,13 +248,14 @@ def _layout_plot(plan: LayoutPlan, out: Path) -> list[str]:
         top = max(max(xs), max(ys), plan.budget_mb) * 1.05
         ax.plot([0, top], [0, top], "--", color="grey", label="measured = planned")
     ax.axhline(plan.budget_mb, color="red", linestyle="--", label=f"budget {plan.budget_mb:g} MB")
-    ax.set_xlabel("planned peak (MB, busiest rank)")
-    ax.set_ylabel("measured peak (MB, busiest rank)")
-    ax.set_title("Layout search: the planner's memory against the trials'")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=110)
-    plt.close(fig)
+    _save(
+        fig,
+        ax,
+        out / "memory.png",
+        "planned peak (MB, busiest rank)",
+        "measured peak (MB, busiest rank)",
+        "Layout search: the planner's memory against the trials'",
+    )
     _throughput_plot(
         plan,
         out,
@@ -267,6 +268,19 @@ def _layout_plot(plan: LayoutPlan, out: Path) -> list[str]:
         ),
     )
     return ["memory.png", "throughput.png"]
+
+
+def _save(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Label, legend, write and close a memory plot."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _throughput_plot(plan, out: Path, label) -> None:
@@ -320,13 +334,14 @@ def _plots(plan: TunePlan, out: Path) -> list[str]:
                 xs = range(int(top * 1.25) + 2)  # the highest of the stage's lines: piecewise linear
                 ax.plot(list(xs), [model.peak(m) for m in xs], "-", color=colour, alpha=0.6, label=f"{label} fit")
     ax.axhline(plan.budget_mb, color="red", linestyle="--", label=f"budget {plan.budget_mb:g} MB")
-    ax.set_xlabel("micro-batch size")
-    ax.set_ylabel("peak memory per rank (MB)")
-    ax.set_title("Peak memory per stage (highest rank and phase)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=110)
-    plt.close(fig)
+    _save(
+        fig,
+        ax,
+        out / "memory.png",
+        "micro-batch size",
+        "peak memory per rank (MB)",
+        "Peak memory per stage (highest rank and phase)",
+    )
     written.append("memory.png")
 
     _throughput_plot(
