@@ -184,8 +184,9 @@ def batch_search(tmp: Path, quick: bool) -> dict:
     sys.path.insert(0, str(common.ROOT))
     from rayhybrid.cluster.connect import connect, resolve_shape
     from rayhybrid.config.compose import load_config
+    from rayhybrid.tune import space
     from rayhybrid.tune.plan import peaks_from_result
-    from rayhybrid.tune.run import TrialHost
+    from rayhybrid.tune.run import TrialHost, base_point
     from rayhybrid.tune.search import MicroBatchSearch
 
     budgets = (12.0,) if quick else (12.0, 40.0)
@@ -204,7 +205,12 @@ def batch_search(tmp: Path, quick: bool) -> dict:
 
                 start = time.perf_counter()
                 if name == "rayhybrid":
-                    search = MicroBatchSearch(budget)
+                    # The probes where `python -m rayhybrid.tune` puts them: the planner's largest
+                    # size under the budget less the margin, and half of it.
+                    largest = space.largest_planned(
+                        cfg, lambda m, cfg=cfg: base_point(cfg, False, m), budget * (1 - cfg.tune.margin)
+                    )
+                    search = MicroBatchSearch(budget, probes=space.planned_probes(largest, (1, 2)))
                     while (m := search.next()) is not None:
                         r = trial(m)
                         search.observe(m, peaks_from_result(r), bool(r["oom"]))

@@ -133,14 +133,15 @@ def test_a_fixed_global_batch(tmp_path):
 
 
 def test_layout_search_on_four_ranks(tmp_path):
-    """tune.search=layout tune.devices=4 from dp2 x pp2: the planner rules out the points over
+    """tune.search=layout tune.devices=4 from dp2 x tp2: the planner rules out the points over
     the budget (no trial spent on them, none runs out of memory), the trials (at most
-    tune.max_trials) show planned beside measured memory, the baseline (dp2 x pp2 as given)
-    runs first, and the winner is the fastest that fitted, with a command to train it."""
-    budget, trials = 6.5, 6
+    tune.max_trials) show planned beside measured memory, the baseline (dp2 x tp2 as given)
+    runs first, then one point of each of two other layouts (1 x 4 x 1 and 2 x 2 x 1 move the
+    fewest bytes), and the winner is the fastest that fitted, with a command to train it."""
+    budget, trials = 6.5, 5
     proc, run, rows, summary = tune(
         tmp_path,
-        "+topology=dp2_pp2",
+        "+topology=dp2_tp2",
         "tune.search=layout",
         "tune.devices=4",
         f"tune.memory_budget_mb={budget}",
@@ -148,7 +149,7 @@ def test_layout_search_on_four_ranks(tmp_path):
         "tune.steps=2",
     )
     assert 3 <= len(rows) <= trials and summary["trials"] == len(rows)
-    assert rows[0]["purpose"] == "baseline" and (rows[0]["dp"], rows[0]["pp"], rows[0]["tp"]) == ("2", "2", "1")
+    assert rows[0]["purpose"] == "baseline" and (rows[0]["dp"], rows[0]["pp"], rows[0]["tp"]) == ("2", "1", "2")
     assert len({(r["dp"], r["pp"], r["tp"]) for r in rows}) >= 3  # several layouts were timed
     assert summary["pruned_by_planned_memory"] > 0 and summary["points"] > len(rows)
     for r in rows:
