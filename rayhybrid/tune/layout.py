@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 
 from rayhybrid.config.schema import Config
-from rayhybrid.tune.plan import Point, Record, record_of
+from rayhybrid.tune.plan import Point, Record, fastest, record_of
 from rayhybrid.tune.space import batch_sizes, is_valid, planned_peak_mb, trial_config
 
 log = logging.getLogger("rayhybrid")
@@ -97,12 +97,10 @@ class LayoutPlan:
             for schedule in schedules:
                 for dp_shard in (False, True) if dp > 1 else (False,):
                     base = _layout_point(dp, pp, tp, schedule, dp_shard, False, 1, global_batch // dp).as_config("")
-                    if not is_valid(trial_config(cfg, {**base, "micro_batch_size": 1})):
-                        continue
                     for m in batch_sizes(cfg, global_batch // dp, base):
                         for ac in settings:
                             point = _layout_point(dp, pp, tp, schedule, dp_shard, ac, m, global_batch // dp)
-                            planned = planned_peak_mb(trial_config(cfg, point.as_config("")), cuda=cuda)
+                            planned = self._plan(point)
                             if planned is None:
                                 raise ValueError("a layout search needs the planner's memory model for the model")
                             self.planned[point] = planned
@@ -117,9 +115,7 @@ class LayoutPlan:
         )
         self._queue: list[tuple[Point, str]] = []
         if baseline is not None and is_valid(trial_config(cfg, baseline.as_config(""))):
-            planned = self.planned.get(baseline) or planned_peak_mb(
-                trial_config(cfg, baseline.as_config("")), cuda=cuda
-            )
+            planned = self.planned.get(baseline) or self._plan(baseline)
             if planned <= self.limit_mb:
                 self.planned[baseline] = planned
                 self._queue.append((baseline, "baseline"))
@@ -137,6 +133,10 @@ class LayoutPlan:
         )
 
     # -- choosing ---------------------------------------------------------------------------
+
+    def _plan(self, point: Point) -> float | None:
+        """The planner's peak memory of `point` (MB, busiest rank)."""
+        return planned_peak_mb(trial_config(self.cfg, point.as_config("")), cuda=self.cuda)
 
     def _representative(self, layout: tuple[int, int, int]) -> Point | None:
         """1F1B (or, where it cannot run or fit, the first schedule of STAGES_PER_RANK that
@@ -238,8 +238,7 @@ class LayoutPlan:
 
     @property
     def best(self) -> Record | None:
-        fitting = [r for r in self.records if r.fits(self.budget_mb)]
-        return max(fitting, key=lambda r: r.speed(self.metric), default=None)
+        return fastest(self.records, self.budget_mb, self.metric)
 
     @property
     def baseline(self) -> Record | None:

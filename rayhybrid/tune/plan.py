@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rayhybrid.tune.search import PEAK_PREFIX, MicroBatchSearch
+from rayhybrid.tune.search import PEAK_PREFIX, MicroBatchSearch, fit_line
 from rayhybrid.tune.space import TOPOLOGY_FIELDS
 
 SLACK = 0.1
@@ -56,6 +56,18 @@ class Point:
             **(dict(zip(TOPOLOGY_FIELDS, self.layout)) if self.layout else {}),
             "purpose": purpose,
         }
+
+    def where(self) -> str:
+        """The layout, e.g. "dp2 pp4 tp1 1f1b sharded" ("" on the base topology)."""
+        if not self.layout:
+            return ""
+        dp, pp, tp, schedule, _, shard = self.layout
+        return f"dp{dp} pp{pp} tp{tp}{' ' + schedule if pp > 1 else ''}{' sharded' if shard else ''}"
+
+    def label(self) -> str:
+        """A short name for plots, e.g. "dp2 pp4 tp1 1f1b mb2x4 AC"."""
+        ac = " AC" if self.activation_checkpointing else ""
+        return f"{self.where()} mb{self.micro_batch_size}x{self.num_microbatches}{ac}".strip()
 
     @classmethod
     def of(cls, config: dict) -> Point:
@@ -89,10 +101,7 @@ class Record:
     def describe(self, budget_mb: float) -> str:
         """One progress line: where the trial ran and what it measured."""
         p = self.point
-        where = ""
-        if p.layout:
-            dp, pp, tp, schedule, _, shard = p.layout
-            where = f"dp{dp} pp{pp} tp{tp}{' ' + schedule if pp > 1 else ''}{' sharded' if shard else ''}, "
+        where = f"{p.where()}, " if p.layout else ""
         shape = f"{where}micro-batch {p.micro_batch_size} x {p.num_microbatches}{' AC' if p.activation_checkpointing else ''}"
         planned = f" (planned {self.planned_mb:.2f})" if self.planned_mb is not None else ""
         if self.oom:
@@ -135,6 +144,11 @@ def record_of(point: Point, purpose: str, result: dict | None, error: bool = Fal
     )
 
 
+def fastest(records: list[Record], budget_mb: float, metric: str) -> Record | None:
+    """The fastest record (by `metric`) that fitted `budget_mb`."""
+    return max((r for r in records if r.fits(budget_mb)), key=lambda r: r.speed(metric), default=None)
+
+
 def fit_step_time(records: list[Record], bubble: Callable[[int], float], metric: str) -> tuple[float, float] | None:
     """`(c0, c1)` of a micro-batch's time `c0 + c1 m`, least squares over the records' step
     times `n / (1 - bubble(n)) * (c0 + c1 m)`; None without two sizes."""
@@ -148,12 +162,8 @@ def fit_step_time(records: list[Record], bubble: Callable[[int], float], metric:
     ]
     if len({m for m, _ in points}) < 2:
         return None
-    n = len(points)
-    mean_m = sum(m for m, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    slope = sum((m - mean_m) * (t - mean_t) for m, t in points) / sum((m - mean_m) ** 2 for m, _ in points)
-    slope = max(slope, 0.0)
-    return max(mean_t - slope * mean_m, 0.0), slope
+    c0, c1 = fit_line(points)
+    return max(c0, 0.0), c1
 
 
 class TunePlan:
@@ -181,6 +191,7 @@ class TunePlan:
         self.per_replica = per_replica
         self.bubble = bubble or (lambda n: 0.0)
         self.planner = planner
+        self._planned: dict[Point, float | None] = {}  # the planner's peak per point asked about
         self.metric = metric
         self.extra = extra
         settings = [bool(ac) for ac in dict.fromkeys(activation_checkpointing)]
@@ -239,7 +250,7 @@ class TunePlan:
             result,
             error,
             predicted_peak_mb=search.predicted_peak_mb(point.micro_batch_size) if on_line else None,
-            planned_mb=self.planner(point) if self.planner else None,
+            planned_mb=self.planned_mb(point),
         )
         self.records.append(record)
         if purpose == "memory":
@@ -247,9 +258,17 @@ class TunePlan:
             search.observe(point.micro_batch_size, record.peaks_mb, record.oom or bool(record.error))
         return record
 
+    def planned_mb(self, point: Point) -> float | None:
+        """The planner's peak for `point` (None without a planner), asked once per point."""
+        if self.planner is None:
+            return None
+        if point not in self._planned:
+            self._planned[point] = self.planner(point)
+        return self._planned[point]
+
     def _planned_over(self, point: Point) -> bool:
         """The planner puts this throughput point over the budget: no trial is spent on it."""
-        planned = self.planner(point) if self.planner else None
+        planned = self.planned_mb(point)
         if planned is not None and planned > self.budget_mb:
             self.skipped.append((point, planned))
             return True
@@ -281,16 +300,16 @@ class TunePlan:
             # One size timed: without a pipeline the largest is fastest (fewest micro-batches, no
             # bubble to shrink); in one, try the next smaller sizes (a smaller bubble).
             ranked = sorted(sizes, reverse=True) if self.bubble(1) > 0 else []
-            return [Point(m, self.per_replica // m, ac) for m in ranked][: self.extra]
+            return [Point(m, self.num_microbatches(m), ac) for m in ranked][: self.extra]
         c0, c1 = fit
 
         def step(m: int) -> float:
-            n = self.per_replica // m
+            n = self.num_microbatches(m)
             return n / (1 - self.bubble(n)) * (c0 + c1 * m)
 
         fastest_run = min(step(r.point.micro_batch_size) for r in timed)
         promising = sorted((m for m in sizes if step(m) <= (1 + SLACK) * fastest_run), key=step)
-        return [Point(m, self.per_replica // m, ac) for m in promising][: self.extra]
+        return [Point(m, self.num_microbatches(m), ac) for m in promising][: self.extra]
 
     # -- results ------------------------------------------------------------------------------
 
@@ -305,5 +324,4 @@ class TunePlan:
     @property
     def best(self) -> Record | None:
         """The fastest trial that fitted the budget (by `metric`)."""
-        fitting = [r for r in self.records if r.fits(self.budget_mb)]
-        return max(fitting, key=lambda r: r.speed(self.metric), default=None)
+        return fastest(self.records, self.budget_mb, self.metric)

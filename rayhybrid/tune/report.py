@@ -14,7 +14,7 @@ from rayhybrid.config.schema import Config
 from rayhybrid.tune.layout import LayoutPlan
 from rayhybrid.tune.plan import Record, TunePlan
 from rayhybrid.tune.search import LinearMemoryModel, Trial
-from rayhybrid.tune.space import TOPOLOGY_FIELDS
+from rayhybrid.tune.space import TOPOLOGY_FIELDS, topology_fields
 
 log = logging.getLogger("rayhybrid")
 
@@ -43,17 +43,7 @@ COLUMNS = (
 
 
 def _topology(cfg: Config, r: Record) -> dict:
-    if r.point.layout:
-        return dict(zip(TOPOLOGY_FIELDS, r.point.layout))
-    t = cfg.topology
-    return {
-        "dp": t.dp,
-        "pp": t.pp,
-        "tp": t.tp,
-        "schedule": t.schedule,
-        "stages_per_rank": t.stages_per_rank,
-        "dp_shard": t.dp_shard,
-    }
+    return dict(zip(TOPOLOGY_FIELDS, r.point.layout)) if r.point.layout else topology_fields(cfg)
 
 
 def _rounded(x: float | None, digits: int = 4):
@@ -256,17 +246,7 @@ def _layout_plot(plan: LayoutPlan, out: Path) -> list[str]:
         "measured peak (MB, busiest rank)",
         "Layout search: the planner's memory against the trials'",
     )
-    _throughput_plot(
-        plan,
-        out,
-        lambda r: "dp{}pp{}tp{} {}{} mb{}{}".format(
-            *r.point.layout[:3],
-            r.point.layout[3] if r.point.layout[1] > 1 else "",
-            " fsdp" if r.point.layout[5] else "",
-            r.point.micro_batch_size,
-            " AC" if r.point.activation_checkpointing else "",
-        ),
-    )
+    _throughput_plot(plan, out)
     return ["memory.png", "throughput.png"]
 
 
@@ -283,7 +263,7 @@ def _save(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
     plt.close(fig)
 
 
-def _throughput_plot(plan, out: Path, label) -> None:
+def _throughput_plot(plan, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -293,7 +273,7 @@ def _throughput_plot(plan, out: Path, label) -> None:
         "tab:green" if r is best else ("tab:blue" if r.fits(plan.budget_mb) else "tab:gray") for r in measured
     ]
     ax.bar(range(len(measured)), [r.speed(plan.metric) for r in measured], color=bar_colours)
-    ax.set_xticks(range(len(measured)), [label(r) for r in measured], rotation=30, ha="right", fontsize=7)
+    ax.set_xticks(range(len(measured)), [r.point.label() for r in measured], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("tokens per CPU-second (busiest rank)" if plan.metric == "tokens_per_cpu_s" else "tokens/s")
     ax.set_title("Throughput per trial (green: best that fits; grey: over budget)")
     fig.tight_layout()
@@ -344,13 +324,6 @@ def _plots(plan: TunePlan, out: Path) -> list[str]:
     )
     written.append("memory.png")
 
-    _throughput_plot(
-        plan,
-        out,
-        lambda r: (
-            f"mb{r.point.micro_batch_size}x{r.point.num_microbatches}"
-            f"{' AC' if r.point.activation_checkpointing else ''}"
-        ),
-    )
+    _throughput_plot(plan, out)
     written.append("throughput.png")
     return written

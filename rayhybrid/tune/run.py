@@ -22,6 +22,7 @@ from rayhybrid.config.compose import replace
 from rayhybrid.config.schema import Config
 from rayhybrid.config.validate import validate
 from rayhybrid.errors import ConfigError, RayHybridError, WorkerError
+from rayhybrid.topology import Layout
 from rayhybrid.tune import space
 from rayhybrid.tune.plan import Point, TunePlan
 from rayhybrid.tune.search import PEAK_PREFIX
@@ -146,11 +147,14 @@ def base_point(cfg: Config, ac: bool, m: int, layout: bool = False) -> dict:
     n = g // (cfg.topology.dp * m) if g else first_microbatches(cfg)
     point = {"micro_batch_size": m, "num_microbatches": n, "activation_checkpointing": ac}
     if layout:
-        t = cfg.topology
-        point.update(
-            dp=t.dp, pp=t.pp, tp=t.tp, schedule=t.schedule, stages_per_rank=t.stages_per_rank, dp_shard=t.dp_shard
-        )
+        point.update(space.topology_fields(cfg))
     return point
+
+
+def layout_devices(cfg: Config) -> int:
+    """The devices a layout search lays out: tune.devices, or the topology given's."""
+    t = cfg.topology
+    return cfg.tune.devices or t.dp * t.pp * t.tp
 
 
 def micro_batch_plan(cfg: Config, budget: float, cuda: bool, metric: str) -> TunePlan:
@@ -181,7 +185,7 @@ def micro_batch_plan(cfg: Config, budget: float, cuda: bool, metric: str) -> Tun
             cuda=cuda,
         )
         probes[ac] = space.planned_probes(largest, (1, 2))
-    v = t.stages_per_rank if t.pp > 1 else 1
+    v = Layout.of(cfg).virtual_stages
     return TunePlan(
         budget,
         n0=first_microbatches(cfg),
@@ -201,7 +205,7 @@ def layout_plan(cfg: Config, budget: float, cuda: bool, metric: str, gpus_per_no
     from rayhybrid.tune.layout import LayoutPlan
 
     t, tc = cfg.topology, cfg.tune
-    devices = tc.devices or t.dp * t.pp * t.tp
+    devices = layout_devices(cfg)
     per_node = tc.devices_per_node or (gpus_per_node if cuda else devices)
     g = fixed_global_batch(cfg)
     baseline = None
@@ -238,9 +242,8 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
     try:
         shape = resolve_shape(cfg)
         t = cfg.topology
-        if layout:
-            devices = cfg.tune.devices or t.dp * t.pp * t.tp
-            check_capacity(dataclasses.replace(shape, pp=1, tp=1), devices)  # every layout places `devices` ranks
+        if layout:  # every layout places `devices` ranks
+            check_capacity(dataclasses.replace(shape, pp=1, tp=1), layout_devices(cfg))
         else:
             check_capacity(shape, t.dp)
         budget = cfg.tune.memory_budget_mb
@@ -267,7 +270,7 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
                 )
             if not plan.fitting:
                 raise RayHybridError(
-                    f"no layout of {cfg.tune.devices or t.dp * t.pp * t.tp} devices is planned to fit "
+                    f"no layout of {plan.devices} devices is planned to fit "
                     f"tune.memory_budget_mb={budget:g} ({plan.pruned} points over it); raise the budget or the devices"
                 )
             log.info("tune: layout search, budget %.1f MB per rank (%s), ranked by %s", budget, source, metric)
@@ -356,7 +359,7 @@ def check_tune(cfg: Config) -> None:
                 f"layout needs the planner's memory model, which model {cfg.model.module or cfg.model.name} lacks "
                 "(ModelSpec.memory); search its micro-batch on a topology you choose instead",
             )
-        devices = tc.devices or t.dp * t.pp * t.tp
+        devices = layout_devices(cfg)
         if tc.devices_per_node > devices:
             raise ConfigError("tune.devices_per_node", f"{tc.devices_per_node} is more than the {devices} devices")
         return

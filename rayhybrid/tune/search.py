@@ -46,6 +46,17 @@ class Trial:
         return not self.oom and max(self.peaks_mb.values(), default=0.0) <= budget_mb
 
 
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """`(a, b)` of `y = a + b x` by least squares, the slope held at 0 or more (memory and time
+    only grow with the micro-batch); one distinct x gives a flat line through the mean."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = max(sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0, 0.0)
+    return mean_y - slope * mean_x, slope
+
+
 @dataclass
 class LinearMemoryModel:
     """`peak(m) = fixed + per_sample * m` for each key, least squares over the trials that have
@@ -63,13 +74,7 @@ class LinearMemoryModel:
         model = cls()
         for key in set().union(*(t.peaks_mb for t in measured)):
             points = [(t.micro_batch_size, t.peaks_mb[key]) for t in measured if key in t.peaks_mb]
-            n = len(points)
-            mean_m = sum(m for m, _ in points) / n
-            mean_y = sum(y for _, y in points) / n
-            var = sum((m - mean_m) ** 2 for m, _ in points)
-            slope = sum((m - mean_m) * (y - mean_y) for m, y in points) / var if var else 0.0
-            model.per_sample[key] = max(slope, 0.0)
-            model.fixed[key] = mean_y - model.per_sample[key] * mean_m
+            model.fixed[key], model.per_sample[key] = fit_line(points)
         return model
 
     def predict(self, m: int) -> dict[str, float]:

@@ -27,6 +27,11 @@ TOPOLOGY_FIELDS = ("dp", "pp", "tp", "schedule", "stages_per_rank", "dp_shard")
 MB = 2**20
 
 
+def topology_fields(cfg: Config) -> dict:
+    """The config's topology as a point's fields (TOPOLOGY_FIELDS)."""
+    return {k: getattr(cfg.topology, k) for k in TOPOLOGY_FIELDS}
+
+
 def trial_config(cfg: Config, point: dict) -> Config:
     """The training config of one trial: the point's topology (when it has one) and batch shape,
     memory metrics on, no evaluation (so no checkpoint.keep_best either: a trial saves no
@@ -76,7 +81,7 @@ def planned_peak_mb(cfg: Config, cuda: bool = False) -> float | None:
 def batch_sizes(cfg: Config, per_replica: int, point: dict | None = None) -> list[int]:
     """The micro-batch sizes that divide a replica's share of a fixed global batch and make a
     valid trial (e.g. 1F1B needs at least pp micro-batches), smallest first."""
-    base = dict(point or {}, activation_checkpointing=(point or {}).get("activation_checkpointing", False))
+    base = {"activation_checkpointing": False, **(point or {})}
     return [
         m
         for m in range(1, per_replica + 1)
