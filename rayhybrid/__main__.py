@@ -54,7 +54,7 @@ def task(node) -> None:
 
     from rayhybrid.config.compose import scrub_run_files, to_config
     from rayhybrid.config.validate import validate
-    from rayhybrid.controller import Controller
+    from rayhybrid.driver.controller import Controller
 
     with exit_codes("rayhybrid"):
         hydra = HydraConfig.get()

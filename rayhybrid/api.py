@@ -44,7 +44,7 @@ def train(overrides: Sequence[str] = (), *, run_dir: str | Path | None = None) -
     input. `run_dir` defaults to `hydra.run.dir` (outputs/<date>/<time>), made unique."""
     from omegaconf import OmegaConf
 
-    from rayhybrid.controller import Controller
+    from rayhybrid.driver.controller import Controller
 
     overrides = list(overrides)
     node = compose(overrides, return_hydra_config=True)

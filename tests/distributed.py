@@ -256,7 +256,7 @@ def checkpoint_then_continue(rank: int, cfg, root: str, before: int, after: int)
 def resume_many(rank: int, cfgs: dict, root: str, steps: int) -> dict[str, dict]:
     """For each labelled config: a fresh `Trainer` restored from the newest checkpoint in
     `root` (whatever topology wrote it), then `steps` steps; {label: {"step", "losses"}}."""
-    from rayhybrid import checkpoint_store
+    from rayhybrid.storage import checkpoints as checkpoint_store
     from rayhybrid.trainer.loop import Trainer
 
     ckpt = checkpoint_store.latest(root)
@@ -383,7 +383,7 @@ def train_save_resume(rank: int, fresh: dict, source: str, root: str, before: in
     `resume` is restored from that checkpoint and trains `after` steps. All configs need the
     same world size. {"fresh": {label: every step's metrics}, "path": the checkpoint,
     "resumed": {label: {"start", "losses", "consumed", "shared" (see shared_parameters)}}}."""
-    from rayhybrid import checkpoint_store
+    from rayhybrid.storage import checkpoints as checkpoint_store
     from rayhybrid.trainer.loop import Trainer
 
     out: dict = {"fresh": {}, "resumed": {}}

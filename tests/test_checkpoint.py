@@ -12,10 +12,10 @@ import os
 
 import pytest
 
-from rayhybrid import checkpoint_store as store
 from rayhybrid.config.compose import load_config
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TrainConfig
-from rayhybrid.storage import Store
+from rayhybrid.storage import checkpoints as store
+from rayhybrid.storage.store import Store
 from tests.distributed import (
     checkpoint_then_continue,
     replace_topology,

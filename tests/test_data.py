@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rayhybrid.config.schema import DataConfig
-from rayhybrid.trainer.data import MarkovStream, WindowStream, build_stream, replica_shard, uniform_loss
+from rayhybrid.data.streams import MarkovStream, WindowStream, build_stream, replica_shard, uniform_loss
 
 VOCAB = 256
 
@@ -218,7 +218,7 @@ def test_markov_chain_over_a_gpt3_vocabulary_builds_in_seconds():
 
     import numpy as np
 
-    from rayhybrid.trainer.data import MarkovStream
+    from rayhybrid.data.streams import MarkovStream
 
     start = time.perf_counter()
     stream = MarkovStream(vocab_size=50304, seq_len=16, branching=4, seed=0)

@@ -14,12 +14,12 @@ import pytest
 import torch
 from distributed import run_configs
 
-from rayhybrid import checkpoint_store as cs
 from rayhybrid.config.compose import load_config
 from rayhybrid.config.schema import DataConfig, EvalConfig, WandbConfig
+from rayhybrid.data.streams import MarkovStream, build_held_out, build_stream, split_point
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage import Store
-from rayhybrid.trainer.data import MarkovStream, build_held_out, build_stream, split_point
+from rayhybrid.storage import checkpoints as cs
+from rayhybrid.storage.store import Store
 
 # ------------------------------------------------------------------------------------------
 # Held-out streams
@@ -52,7 +52,7 @@ def test_val_fraction_splits_the_tokens_and_training_never_reads_the_tail(tmp_pa
     assert train_max == cut - 1  # the last training window ends right before the tail
     assert min(int(s.min()) for s in held_tokens) == cut and max(int(s.max()) for s in held_tokens) == 999
     # Given the training stream, the tail is sliced from the tokens it read, not read again.
-    from rayhybrid.trainer import data
+    from rayhybrid.data import streams as data
 
     monkeypatch.setattr(data, "_tokens", lambda *args: pytest.fail("data.path read a second time"))
     again = build_held_out(cfg, 1000, 0, train)
@@ -139,7 +139,7 @@ def test_a_config_error_from_the_cli_exits_2(tmp_path):
 def test_loss_plot_draws_the_held_out_points(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from rayhybrid.observe import loss_plot
+    from rayhybrid.driver.observe import loss_plot
 
     drawn = []
     plot = matplotlib.axes.Axes.plot
@@ -334,7 +334,7 @@ def test_a_recovered_and_a_resumed_run_report_the_same_val_loss_and_track_one_ru
     from test_tracking import history, mlflow_client, wandb_run
 
     import rayhybrid
-    from rayhybrid.controller import RunFailed
+    from rayhybrid.driver.controller import RunFailed
 
     expected = val_losses(reference[0])
     trackers = [

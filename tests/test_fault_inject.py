@@ -20,7 +20,7 @@ from rayhybrid.config.compose import replace as replace_cfg
 from rayhybrid.config.schema import Config, FaultConfig
 from rayhybrid.config.validate import validate
 from rayhybrid.errors import ConfigError
-from rayhybrid.fault import KINDS, FaultPlan, InjectedFault, Injection, parse, trigger, validate_faults
+from rayhybrid.faults import KINDS, FaultPlan, InjectedFault, Injection, parse, trigger, validate_faults
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -222,7 +222,7 @@ def test_random_faults_are_deterministic_for_a_seed():
 
 def test_random_faults_do_not_depend_on_the_hash_seed():
     code = (
-        "from rayhybrid.config.schema import FaultConfig; from rayhybrid.fault import FaultPlan\n"
+        "from rayhybrid.config.schema import FaultConfig; from rayhybrid.faults import FaultPlan\n"
         "plan = FaultPlan(FaultConfig(inject_rate=0.1, inject_seed=5, inject=('raise@3',)))\n"
         "print([str(plan.due(s, 'step', 8)) for s in range(1, 60)])"
     )
@@ -285,7 +285,7 @@ def test_trigger_rejects_unknown_kind():
 
 @pytest.mark.parametrize("kind", ["kill", "kill_save"])
 def test_trigger_kill_kills_the_process(kind):
-    proc = _python(f"from rayhybrid.fault import trigger; trigger({kind!r}, 5); print('survived')")
+    proc = _python(f"from rayhybrid.faults import trigger; trigger({kind!r}, 5); print('survived')")
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL, err.decode()
     assert b"survived" not in out
@@ -298,7 +298,7 @@ def _state(pid: int) -> str:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process state from /proc")
 def test_trigger_hang_stops_the_process():
-    proc = _python("from rayhybrid.fault import trigger; trigger('hang', 9); print('survived')")
+    proc = _python("from rayhybrid.faults import trigger; trigger('hang', 9); print('survived')")
     try:
         deadline = time.monotonic() + 30
         while _state(proc.pid) != "T":

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rayhybrid.config.schema import SCHEDULES, Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
-from rayhybrid.topology import Topology
+from rayhybrid.config.topology import Topology
 from tests.distributed import grads_many, run_configs
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md

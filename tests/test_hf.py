@@ -25,10 +25,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never dow
 import pytest
 import torch
 
-from rayhybrid import checkpoint_store
 from rayhybrid.config.compose import compose, load_config, to_config
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage import Store
+from rayhybrid.storage import checkpoints as checkpoint_store
+from rayhybrid.storage.store import Store
 from tests.distributed import checkpoint_then_continue, resume_many, run_configs, run_ranks, train_many
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ def hf_loss(directory: str, cfg, start: int) -> float:
     trainer's stream, inputs and targets as the stream gives them."""
     from transformers import AutoModelForCausalLM
 
-    from rayhybrid.trainer.data import build_stream
+    from rayhybrid.data.streams import build_stream
 
     inputs, targets = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed).batch(start, cfg.train.global_batch_size)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rayhybrid.config.compose import compose, to_config
-from rayhybrid.topology import Layout, Topology
+from rayhybrid.config.topology import Layout, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,12 +125,12 @@ class Spy:
             sys.meta_path.remove(self)
         return None
 sys.meta_path.insert(0, Spy())
-import rayhybrid.topology, rayhybrid.plan.estimate, rayhybrid.plan.report
+import rayhybrid.config.topology, rayhybrid.plan.estimate, rayhybrid.plan.report
 """
 
 
 def test_the_planner_does_not_import_torch():
-    check = "import sys, rayhybrid.topology, rayhybrid.plan.estimate, rayhybrid.plan.report; assert 'torch' not in sys.modules"
+    check = "import sys, rayhybrid.config.topology, rayhybrid.plan.estimate, rayhybrid.plan.report; assert 'torch' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", check], check=False, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:  # name the import that pulled torch in
         spy = subprocess.run(

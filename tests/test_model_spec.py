@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from rayhybrid.checkpoint_store import Checkpoint
 from rayhybrid.config.compose import load_config
-from rayhybrid.controller import check_same_model
+from rayhybrid.driver.controller import check_same_model
 from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import BUILTIN, get_spec
 from rayhybrid.models.spec import ModelSpec
+from rayhybrid.storage.checkpoints import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[1] / "rayhybrid"
 

@@ -11,8 +11,8 @@ import pytest
 
 import rayhybrid
 from rayhybrid.config.compose import load_config
+from rayhybrid.driver.observe import device_peak_tflops
 from rayhybrid.models.gpt.model import num_params
-from rayhybrid.observe import device_peak_tflops
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayhybrid.policy import Failure, FailurePolicy, ScalingPolicy
+from rayhybrid.driver.policies import Failure, FailurePolicy, ScalingPolicy
 
 NODE_LOST = "rank 3: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"
 NO_GROUP = "rank 1: ValueError: Could not resolve the process group registered under the name 11"

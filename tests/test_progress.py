@@ -8,7 +8,7 @@ import logging
 import time
 
 from rayhybrid.config.compose import load_config
-from rayhybrid.records import ProgressBar, RunLog, RunSummary
+from rayhybrid.driver.records import ProgressBar, RunLog, RunSummary
 
 
 class FakeTerminal(io.StringIO):

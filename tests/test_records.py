@@ -11,7 +11,7 @@ import time
 import pytest
 
 from rayhybrid.config.schema import Config
-from rayhybrid.records import TIMINGS, Interruption, RunLog, RunSummary, mean_throughput
+from rayhybrid.driver.records import TIMINGS, Interruption, RunLog, RunSummary, mean_throughput
 
 
 def step_record(step: int, loss: float = 2.0, tokens_per_s: float = 1000.0, step_time_s: float = 0.5) -> dict:
@@ -318,9 +318,9 @@ def test_a_commit_whose_report_was_lost_is_recorded_when_it_is_restored(tmp_path
     """An asynchronous save's commit reaches the driver with the next step's results; a failure
     in that step takes the report with it. Recovery restores that committed checkpoint, and the
     driver records it then, so every checkpoint resumed from was recorded as saved."""
-    from rayhybrid.checkpoint_store import Checkpoint
     from rayhybrid.config.compose import load_config
-    from rayhybrid.controller import Controller
+    from rayhybrid.driver.controller import Controller
+    from rayhybrid.storage.checkpoints import Checkpoint
 
     cfg = dataclasses.replace(load_config(), run_dir=str(tmp_path))
 

@@ -15,8 +15,8 @@ import pytest
 import ray
 
 import rayhybrid
-from rayhybrid import checkpoint_store
-from rayhybrid.controller import RunFailed
+from rayhybrid.driver.controller import RunFailed
+from rayhybrid.storage import checkpoints as checkpoint_store
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 

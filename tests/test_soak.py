@@ -29,9 +29,9 @@ import pytest
 import ray
 
 import rayhybrid
-from rayhybrid import checkpoint_store
 from rayhybrid.config.compose import compose, to_config
-from rayhybrid.fault import FaultPlan
+from rayhybrid.faults import FaultPlan
+from rayhybrid.storage import checkpoints as checkpoint_store
 from tests.clusters import add_node, local_cluster, lose_power
 from tests.test_recovery import in_background, losses
 

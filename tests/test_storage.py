@@ -22,12 +22,12 @@ import yaml
 from fsspec.registry import known_implementations
 from omegaconf import OmegaConf
 
-from rayhybrid import checkpoint_store as cs
 from rayhybrid.config.compose import load_config, normalize_overrides, scrub_run_files
 from rayhybrid.config.schema import CheckpointConfig, Config
-from rayhybrid.controller import open_store
+from rayhybrid.driver.controller import open_store
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage import (
+from rayhybrid.storage import checkpoints as cs
+from rayhybrid.storage.store import (
     PROBE_DIR,
     Store,
     check_probe,
@@ -190,12 +190,12 @@ def test_corrupt_committed_checkpoint_is_skipped(store, caplog):
     old = commit_step(store, 1)
     new = commit_step(store, 2)
     store.write_bytes(f"{new}/__0_0.distcp", b"x" * 10)  # truncated
-    with caplog.at_level(logging.WARNING, logger="rayhybrid.checkpoint_store"):
+    with caplog.at_level(logging.WARNING, logger="rayhybrid.storage.checkpoints"):
         assert cs.latest(store).step == 1
     assert "skipping checkpoint" in caplog.text and "__0_0.distcp has 10 bytes, expected 100" in caplog.text
     caplog.clear()
     store.fs.rm_file(f"{old}/__0_0.distcp")
-    with caplog.at_level(logging.WARNING, logger="rayhybrid.checkpoint_store"):
+    with caplog.at_level(logging.WARNING, logger="rayhybrid.storage.checkpoints"):
         assert cs.latest(store) is None
     assert "__0_0.distcp is missing" in caplog.text
     with pytest.raises(ValueError, match="not committed"):

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 import rayhybrid
-from rayhybrid import checkpoint_store
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage import Store
+from rayhybrid.storage import checkpoints as checkpoint_store
+from rayhybrid.storage.store import Store
 from tests import s3
 from tests.clusters import add_node, local_cluster
 from tests.test_recovery import events, in_background, losses, when_step

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from rayhybrid.topology import Coord, Topology, num_microbatches, split_layers, stage_ids
+from rayhybrid.config.topology import Coord, Topology, num_microbatches, split_layers, stage_ids
 
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (3, 2, 4), (4, 3, 1), (1, 4, 2)]
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from rayhybrid import checkpoint_store as cs
 from rayhybrid.config.schema import (
     CheckpointConfig,
     Config,
@@ -27,7 +26,8 @@ from rayhybrid.config.schema import (
     WandbConfig,
 )
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage import Store
+from rayhybrid.storage import checkpoints as cs
+from rayhybrid.storage.store import Store
 from rayhybrid.tracking import TRACKING_FILE, Trackers, mlflow_tracking_uri, step_scalars, validate
 
 SECRETS = ("AKIAXX", "SECRETXX", "SUPERSECRET1", "KEYVALUE22")

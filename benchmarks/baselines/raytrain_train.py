@@ -67,8 +67,8 @@ def train_fn(config):
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from rayhybrid.data.streams import build_stream
     from rayhybrid.models.gpt.model import GPT
-    from rayhybrid.trainer.data import build_stream
     from rayhybrid.trainer.optim import build_optimizer, lr_at, set_lr
 
     torch.set_num_threads(1)

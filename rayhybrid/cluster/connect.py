@@ -13,9 +13,9 @@ import ray
 
 from rayhybrid.cluster.placement import ReplicaShape, alive_nodes, autoscaled
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage import one_line
-from rayhybrid.topology import Layout
+from rayhybrid.storage.store import one_line
 
 log = logging.getLogger(__name__)
 

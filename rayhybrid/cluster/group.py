@@ -22,13 +22,13 @@ from rayhybrid.cluster.placement import (
 )
 from rayhybrid.cluster.worker import CONTROL, TrainWorker, WorkerInfo
 from rayhybrid.config.schema import Config, with_dp
+from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError, PlacementTimeout, RankFailed, WorkerError
-from rayhybrid.fault import Injection
-from rayhybrid.storage import forwarded_env
-from rayhybrid.topology import Layout
+from rayhybrid.faults import Injection
+from rayhybrid.storage.store import forwarded_env
 
 if TYPE_CHECKING:
-    from rayhybrid.records import StepMetrics
+    from rayhybrid.driver.records import StepMetrics
 
 log = logging.getLogger(__name__)
 

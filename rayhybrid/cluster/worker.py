@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import ray
 
-from rayhybrid import fault
+from rayhybrid import faults as fault
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError, RankFailed
-from rayhybrid.topology import Layout
 
 
 @dataclass(frozen=True)

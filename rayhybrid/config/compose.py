@@ -230,7 +230,7 @@ def replace(cfg: Config, **sections: dict) -> Config:
 def scrub_run_files(hydra_dir: str | Path, cfg: Config) -> None:
     """Rewrite the files Hydra keeps of a run (.hydra/*.yaml) without the secrets of `cfg`
     (checkpoint.storage_options values under secret keys, user:password in checkpoint.dir)."""
-    from rayhybrid.storage import scrub, secret_values
+    from rayhybrid.storage.store import scrub, secret_values
 
     secrets = secret_values(cfg.checkpoint.storage_options, cfg.checkpoint.dir)
     if not secrets:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 
 from rayhybrid.config.schema import DATA_KINDS, DTYPES, SCHEDULES, Config
+from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError
-from rayhybrid.fault import validate_faults
-from rayhybrid.topology import Layout
+from rayhybrid.faults import validate_faults
 from rayhybrid.tracking import validate as validate_tracking
 
 DECAYS = ("cosine", "linear", "constant")
@@ -164,7 +164,7 @@ def _windows(cfg: Config) -> None:
                 f"{d.val_path!r} holds {held} tokens, fewer than data.seq_len + 1 = {need}; give more held-out data",
             )
     elif d.val_fraction and train is not None:
-        from rayhybrid.trainer.data import split_point
+        from rayhybrid.data.streams import split_point
 
         cut = split_point(train, d.val_fraction)
         if train - cut < need or cut < need:
@@ -264,7 +264,7 @@ def _checkpoint_dir(url: str) -> None:
         return
     import fsspec
 
-    from rayhybrid.storage import one_line, redact_url
+    from rayhybrid.storage.store import one_line, redact_url
 
     protocol = url.split("://", 1)[0]
     try:

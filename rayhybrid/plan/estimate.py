@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rayhybrid.config.schema import Config, ModelConfig
+from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import get_spec
 from rayhybrid.models.spec import MemoryModel, ParamTensor
 from rayhybrid.models.spec import ceil_div as _ceil
 from rayhybrid.plan.schedule import rank_actions
-from rayhybrid.topology import Layout
 
 FLOAT = 4  # float32: parameters, gradients, optimizer state, the residual stream, LayerNorm statistics
 BF16 = 2

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import Topology
 from rayhybrid.errors import PlacementError
-from rayhybrid.topology import Topology
 
 
 def cluster_address(cfg: Config) -> str:

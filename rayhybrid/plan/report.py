@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import Layout, Topology
 from rayhybrid.models.registry import BUILTIN
 from rayhybrid.plan import estimate as est
-from rayhybrid.topology import Layout, Topology
 
 MB = est.MB
 

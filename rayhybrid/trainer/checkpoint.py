@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rayhybrid import checkpoint_store
-from rayhybrid.storage import Store, one_line
+from rayhybrid.storage import checkpoints as checkpoint_store
+from rayhybrid.storage.store import Store, one_line
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def reader(store: Store, path: str):
 
 class _DieAfterWrite:
     def write_data(self, plan, planner):
-        from rayhybrid import fault
+        from rayhybrid import faults as fault
 
         written = super().write_data(plan, planner)
         written.wait()

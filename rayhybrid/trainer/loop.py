@@ -20,13 +20,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import Layout
+from rayhybrid.data.streams import build_held_out, build_stream, replica_shard
 from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
 from rayhybrid.parallel.pipeline import build_schedule, forward_only
-from rayhybrid.topology import Layout
-from rayhybrid.trainer.data import build_held_out, build_stream, replica_shard
 from rayhybrid.trainer.memory import MemoryMeter
 from rayhybrid.trainer.optim import build_optimizer, lr_at, set_lr
 from rayhybrid.trainer.timeline import Timeline

@@ -20,9 +20,9 @@ import ray
 
 from rayhybrid.config.compose import replace
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import Layout
 from rayhybrid.config.validate import validate
 from rayhybrid.errors import ConfigError, RayHybridError, WorkerError
-from rayhybrid.topology import Layout
 from rayhybrid.tune import space
 from rayhybrid.tune.plan import Point, TunePlan
 from rayhybrid.tune.search import PEAK_PREFIX

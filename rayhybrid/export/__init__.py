@@ -32,7 +32,7 @@ import os
 import sys
 
 from rayhybrid.errors import ConfigError, RayHybridError
-from rayhybrid.storage import one_line, redact_url
+from rayhybrid.storage.store import one_line, redact_url
 
 GENERATION_CONFIG = {"do_sample": False}
 DTYPES = ("float32", "bfloat16")
@@ -69,8 +69,8 @@ def _options(items: list[str]) -> dict:
 def find_checkpoint(url: str, options: dict):
     """The committed checkpoint at `url` (a step directory), or the latest one under it (a
     checkpoint.dir); ConfigError saying why there is none."""
-    from rayhybrid import checkpoint_store
-    from rayhybrid.storage import Store
+    from rayhybrid.storage import checkpoints as checkpoint_store
+    from rayhybrid.storage.store import Store
 
     shown = redact_url(url)
     try:
@@ -273,7 +273,3 @@ def main(argv: list[str] | None = None) -> None:
     )
     for name in done["files"]:
         print(f"  {os.path.join(done['out'], name)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -22,7 +22,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from rayhybrid.storage import Store
+from rayhybrid.storage.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from rayhybrid.config.schema import Config
 from rayhybrid.models.registry import get_spec
 
 if TYPE_CHECKING:
-    from rayhybrid.records import StepMetrics
+    from rayhybrid.driver.records import StepMetrics
 
 log = logging.getLogger("rayhybrid")
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from rayhybrid.config.schema import with_dp
+from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError
-from rayhybrid.topology import Layout
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -8,9 +8,9 @@
                   ├─(a call failed)─> Recovering ──> Training, Starting (the start failed) or Failed
                   └─(SIGTERM)─> a final checkpoint ──> Stopped (exit code 130)
 
-Each state's handler is short; the rules live in pure policies (`rayhybrid.policy`): the failure
+Each state's handler is short; the rules live in pure policies (`rayhybrid.driver.policies`): the failure
 policy says restart or give up, the scaling policy which replica slots to train on. The records
-(`rayhybrid.records`) have one writer, which keeps `metrics.jsonl` and `summary.json` in
+(`rayhybrid.driver.records`) have one writer, which keeps `metrics.jsonl` and `summary.json` in
 `cfg.run_dir`.
 """
 
@@ -27,20 +27,20 @@ from typing import ClassVar
 
 import ray
 
-from rayhybrid import checkpoint_store
 from rayhybrid.cluster.connect import connect, resolve_shape
 from rayhybrid.cluster.group import WorkerGroup, not_placed_again
 from rayhybrid.cluster.placement import check_capacity, draining_nodes
-from rayhybrid.cluster.storage_check import check_storage
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import Layout
 from rayhybrid.config.validate import usable_dps
+from rayhybrid.driver.observe import Observer
+from rayhybrid.driver.policies import Failure, FailurePolicy, ScalingPolicy
+from rayhybrid.driver.records import Interruption, RunLog, RunSummary
 from rayhybrid.errors import ConfigError, RayHybridError, RunFailed, WorkerError
-from rayhybrid.fault import FaultPlan, Injection
-from rayhybrid.observe import Observer
-from rayhybrid.policy import Failure, FailurePolicy, ScalingPolicy
-from rayhybrid.records import Interruption, RunLog, RunSummary
-from rayhybrid.storage import Store, redact_url
-from rayhybrid.topology import Layout
+from rayhybrid.faults import FaultPlan, Injection
+from rayhybrid.storage import checkpoints as checkpoint_store
+from rayhybrid.storage.store import Store, redact_url
+from rayhybrid.storage.visibility import check_storage
 from rayhybrid.tracking import Trackers
 
 __all__ = ["Controller", "RunFailed"]

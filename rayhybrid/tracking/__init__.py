@@ -40,10 +40,10 @@ from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
-from rayhybrid import checkpoint_store
 from rayhybrid.config.schema import Config
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage import Store, one_line, redact, redact_url, scrub, secret_values
+from rayhybrid.storage import checkpoints as checkpoint_store
+from rayhybrid.storage.store import Store, one_line, redact, redact_url, scrub, secret_values
 
 log = logging.getLogger("rayhybrid")
 

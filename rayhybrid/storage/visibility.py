@@ -13,7 +13,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage import UNSEEN, Store, check_probe, one_line, remove_probe, write_probe
+from rayhybrid.storage.store import UNSEEN, Store, check_probe, one_line, remove_probe, write_probe
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,5 @@
+"""`python -m rayhybrid.export --checkpoint <dir> --out <dir>`: see `rayhybrid.export`."""
+
+from rayhybrid.export import main
+
+main()
