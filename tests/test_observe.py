@@ -4,7 +4,6 @@ stage, trace.json (a Chrome trace of real spans per rank), TensorBoard event fil
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
@@ -88,21 +87,10 @@ def test_trace_has_a_track_per_rank_with_the_pipeline_schedule(run):
 
 
 def _scalars(event_dir: Path, tag: str) -> dict[int, float]:
-    """Read a TensorBoard event file (TFRecord frames of `Event` protobufs) without TensorBoard."""
-    from tensorboardX.proto import event_pb2
+    """A tag's scalars by step, from the TensorBoard event files in `event_dir`."""
+    from test_tracking import tensorboard_points
 
-    out = {}
-    for path in event_dir.glob("events.out.tfevents.*"):
-        data, i = path.read_bytes(), 0
-        while i < len(data):
-            (length,) = struct.unpack("<Q", data[i : i + 8])
-            event = event_pb2.Event()
-            event.ParseFromString(data[i + 12 : i + 12 + length])
-            i += 12 + length + 4
-            for value in event.summary.value:
-                if value.tag == tag:
-                    out[event.step] = value.simple_value
-    return out
+    return dict(tensorboard_points(event_dir).get(tag, []))
 
 
 def test_tensorboard_and_loss_plot(run):
@@ -110,6 +98,7 @@ def test_tensorboard_and_loss_plot(run):
     losses = _scalars(run_dir / "tensorboard", "train/loss")
     assert losses == {s["step"]: pytest.approx(s["loss"], rel=1e-6) for s in steps}
     assert set(_scalars(run_dir / "tensorboard", "train/mfu")) == {1, 2, 3, 4}
+    assert summary["tensorboard"] == str(run_dir / "tensorboard")
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary["loss_plot"] == str(run_dir / "loss.png")
 

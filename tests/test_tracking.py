@@ -1,6 +1,6 @@
-"""Experiment tracking (rayhybrid/tracking.py): what W&B (offline) and MLflow (a file store)
-receive from realistic records, read back from what they wrote; a rewind and a resumed run;
-secrets; failures; the one-line errors. No Ray, no training."""
+"""Experiment tracking (rayhybrid/tracking/): what W&B (offline), MLflow (a file store) and
+TensorBoard receive from realistic records, read back from what they wrote; a rewind and a
+resumed run; secrets; failures; the one-line errors. No Ray, no training."""
 
 from __future__ import annotations
 
@@ -156,8 +156,22 @@ def test_both_trackers_log_steps_events_and_summary_once_across_a_rewind_and_a_r
     cfg = config(tmp_path, wandb={"enabled": True, "tags": ("ci",), "group": "g"}, mlflow={"enabled": True})
     store = Store.open(tmp_path / "checkpoints")
 
-    # The first process: steps 1..6, a checkpoint at 4, a failure in step 7, recovery from 4:
-    # steps 5..8 again; stopped by SIGTERM.
+    first = first_process(cfg, tmp_path, store)
+    second_process(cfg, tmp_path, store, first)
+    check_mlflow_run(tmp_path, first)
+    check_wandb_runs(tmp_path, first)
+
+    # No secret anywhere: the W&B runs, W&B's own directories, the MLflow store, tracking.json.
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            leaked = [s for s in SECRETS if s.encode() in data]
+            assert not leaked, f"{path} holds {leaked}"
+
+
+def first_process(cfg: Config, tmp_path: Path, store: Store) -> Trackers:
+    """The first process: steps 1..6, a checkpoint at 4, a failure in step 7, recovery from 4:
+    steps 5..8 again; stopped by SIGTERM."""
     first = Trackers.open(cfg, tmp_path / "run1", store)
     assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"
     for step in range(1, 7):
@@ -192,9 +206,12 @@ def test_both_trackers_log_steps_events_and_summary_once_across_a_rewind_and_a_r
     saved = json.loads((tmp_path / "checkpoints" / TRACKING_FILE).read_text())
     assert saved["mlflow"]["last_step"] == saved["wandb"]["last_step"] == 8
     assert saved["events"] == {"checkpoint": 1, "fault_injected": 1, "restart": 1}
+    return first
 
-    # The second process resumes from the checkpoint of step 6: steps 7 and 8 are trained again.
-    # (Without a committed checkpoint, a run starts over and so do its tracker runs: below.)
+
+def second_process(cfg: Config, tmp_path: Path, store: Store, first: Trackers) -> None:
+    """The second process resumes from the checkpoint of step 6: steps 7 and 8 are trained again.
+    (Without a committed checkpoint, a run starts over and so do its tracker runs: below.)"""
     path = cs.begin(store, 6)
     store.write_bytes(f"{path}/.metadata", b"m")
     cs.commit(store, path, {"step": 6})
@@ -218,7 +235,9 @@ def test_both_trackers_log_steps_events_and_summary_once_across_a_rewind_and_a_r
     second.close(summary)
     assert json.loads((tmp_path / "checkpoints" / TRACKING_FILE).read_text())["mlflow"]["last_step"] == 10
 
-    # MLflow: one run; every step once (5 and 6 as first logged), events, summary, status, config.
+
+def check_mlflow_run(tmp_path: Path, first: Trackers) -> None:
+    """MLflow: one run; every step once (5 and 6 as first logged), events, summary, status, config."""
     client = mlflow_client(tmp_path)
     experiment = client.get_experiment_by_name("tests")
     (run,) = client.search_runs([experiment.experiment_id])
@@ -251,7 +270,9 @@ def test_both_trackers_log_steps_events_and_summary_once_across_a_rewind_and_a_r
     logged = json.loads(Path(client.download_artifacts(run_id, "summary.json", str(tmp_path / "dl"))).read_text())
     assert logged["status"] == "completed" and logged["recoveries"] == [{"restart": 1}]
 
-    # W&B: two offline runs with one id; the second starts after the first's last step.
+
+def check_wandb_runs(tmp_path: Path, first: Trackers) -> None:
+    """W&B: two offline runs with one id; the second starts after the first's last step."""
     one, two = wandb_run(tmp_path / "run1"), wandb_run(tmp_path / "run2")
     assert one["id"] == two["id"] == first.runs["wandb"]
     assert one["tags"] == ["ci"] and one["name"] == "run1"
@@ -271,13 +292,6 @@ def test_both_trackers_log_steps_events_and_summary_once_across_a_rewind_and_a_r
     rows = json.loads(Path(table).read_text())["data"]
     assert [row[0] for row in rows] == ["checkpoint", "fault_injected", "restart"]
     assert json.loads(rows[2][1])["cause"] == "rank 3 died"
-
-    # No secret anywhere: the W&B runs, W&B's own directories, the MLflow store, tracking.json.
-    for path in tmp_path.rglob("*"):
-        if path.is_file():
-            data = path.read_bytes()
-            leaked = [s for s in SECRETS if s.encode() in data]
-            assert not leaked, f"{path} holds {leaked}"
 
 
 # -- failures during the run ------------------------------------------------------------------------
@@ -428,6 +442,85 @@ def test_a_run_that_starts_over_without_a_checkpoint_starts_a_new_tracker_run(tm
     second.close({"status": "completed"})
     assert second.runs["mlflow"] != first.runs["mlflow"]
     assert history(mlflow_client(tmp_path), second.runs["mlflow"], "loss") == {1: 4.0}
+
+
+# -- TensorBoard: a tracker like the others ---------------------------------------------------------
+
+
+def tensorboard_points(event_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a directory's TensorBoard event files (TFRecord frames of `Event`
+    protobufs), read without TensorBoard: tag -> [(step, value), ...], oldest file first."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(event_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (length,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[i + 12 : i + 12 + length])
+            i += 12 + length + 4
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def tensorboard_process(cfg: Config, run_dir: Path, steps: list, store: Store, event: dict | None = None) -> dict:
+    """One driver process with only TensorBoard on, fed as the driver feeds it: the observer's
+    figures, then the trackers. `steps`: (step, loss) in order; `event` after the sixth. Returns
+    the observer's figures."""
+    from rayhybrid.driver.observe import Observer
+
+    observer = Observer(cfg, run_dir)
+    observer.started([{"rank": 0, "dp": 0, "pp": 0, "tp": 0}], "cpu")
+    trackers = Trackers.open(cfg, run_dir, store)
+    history = []
+    for i, (step, loss) in enumerate(steps):
+        history.append(observer.step(step_record(step, loss, **({"val_loss": loss / 2} if step % 4 == 0 else {}))))
+        trackers.step(history[-1])
+        if i == 5 and event:
+            trackers.event(event)
+    figures = {}
+    observer.close(figures, history)
+    trackers.close({"status": "completed", "steps": steps[-1][0]})
+    return figures
+
+
+def test_tensorboard_writes_each_step_once_across_a_rewind_and_a_resume(tmp_path):
+    """As the driver feeds it: the observer's figures, then the trackers. A recovery trains steps
+    5 and 6 again, and a resume into the same run directory steps 7 and 8: TensorBoard keeps the
+    values first written, like W&B and MLflow (the Observer used to write every step it saw),
+    under the tags it always had; nothing of it goes into tracking.json."""
+    cfg = config(tmp_path)
+    cfg = dataclasses.replace(cfg, metrics=dataclasses.replace(cfg.metrics, tensorboard=True, peak_tflops=0.001))
+    run_dir, store = tmp_path / "run", Store.open(tmp_path / "checkpoints")
+    restart = {"event": "restart", "restart": 1, "failed_step": 7, "resume_step": 4, "total_s": 4.25}
+    figures = tensorboard_process(
+        cfg, run_dir, [(s, 10.0 - s) for s in range(1, 7)] + [(s, 20.0 - s) for s in range(5, 9)], store, restart
+    )
+    assert figures["tensorboard"] == str(run_dir / "tensorboard")
+    points = tensorboard_points(run_dir / "tensorboard")
+    assert points["train/loss"] == [(1, 9), (2, 8), (3, 7), (4, 6), (5, 5), (6, 4), (7, 13), (8, 12)]
+    for tag, logged in points.items():
+        assert len({step for step, _ in logged}) == len(logged), f"{tag}: a step written twice: {logged}"
+    assert points["val/loss"] == [(4, 3.0), (8, 6.0)]
+    assert [step for step, _ in points["train/mfu"]] == list(range(1, 9))
+    assert dict(points["memory_mb/rank0/stage0/forward"])[3] == 13.0
+    assert {f"train/{key}" for key in ("lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "dp")} <= set(points)
+    assert not {"train/bubble", "train/samples", "train/time", "train/step"} & set(points)
+
+    # A resume from the checkpoint of step 6 into the same run directory: 7 and 8 are not written again.
+    path = cs.begin(store, 6)
+    store.write_bytes(f"{path}/.metadata", b"m")
+    cs.commit(store, path, {"step": 6})
+    tensorboard_process(cfg, run_dir, [(s, 30.0 - s) for s in range(7, 11)], store)
+    loss = tensorboard_points(run_dir / "tensorboard")["train/loss"]
+    assert loss == [(1, 9), (2, 8), (3, 7), (4, 6), (5, 5), (6, 4), (7, 13), (8, 12), (9, 21), (10, 20)]
+    assert not (tmp_path / "checkpoints" / TRACKING_FILE).exists()
+
+    # A run that starts over from step 1 (no checkpoint in its store) writes every step again.
+    tensorboard_process(cfg, run_dir, [(1, 1.0)], Store.open(tmp_path / "other"))
+    assert tensorboard_points(run_dir / "tensorboard")["train/loss"][-1] == (1, 1.0)
 
 
 # -- no tracker, bad settings -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""What the driver adds to a run's outputs: FLOP/s and MFU per step, trace.json, TensorBoard
-event files and loss.png with the held-out loss (the step metrics themselves come from the
-workers).
+"""What the driver adds to a run's outputs: FLOP/s and MFU per step, trace.json and loss.png
+with the held-out loss (the step metrics themselves come from the workers; TensorBoard's event
+files are a tracker's, rayhybrid.tracking).
 
     observer = Observer(cfg, run_dir)
     observer.started(placement, device_name)      # once the workers describe themselves
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from rayhybrid.config.schema import Config
 from rayhybrid.models.registry import get_spec
+from rayhybrid.tracking import tensorboard_dir
 
 if TYPE_CHECKING:
     from rayhybrid.driver.records import StepMetrics
@@ -56,11 +57,6 @@ class Observer:
         self.peak: float | None = None
         self.ranks: list[dict] = []
         self.trace: list[dict] = []
-        self.writer = None
-        if cfg.metrics.tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def started(self, placement: list[dict], device_name: str) -> None:
         self.ranks = [{k: p[k] for k in ("rank", "dp", "pp", "tp")} for p in placement]
@@ -76,14 +72,6 @@ class Observer:
         world = metrics["dp"] * metrics["pp"] * metrics["tp"]
         metrics["tflops"] = self.flops_per_token * metrics["tokens_per_s"] / 1e12
         metrics["mfu"] = metrics["tflops"] / (self.peak * world) if self.peak else None
-        if self.writer is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "mfu", "bubble", "dp"):
-                if metrics.get(key) is not None:
-                    self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
-            if metrics.get("val_loss") is not None:
-                self.writer.add_scalar("val/loss", metrics["val_loss"], metrics["step"])
-            for key, mb in (metrics.get("peak_mb") or {}).items():
-                self.writer.add_scalar(f"memory_mb/{key}", mb, metrics["step"])
         return metrics
 
     def close(self, summary: dict, history: list[dict]) -> None:
@@ -107,9 +95,8 @@ class Observer:
             summary["trace"] = str(path)
         if history:
             summary["loss_plot"] = str(loss_plot(history, summary.get("loss_floor"), self.dir / "loss.png"))
-        if self.writer is not None:
-            self.writer.close()
-            summary["tensorboard"] = str(self.dir / "tensorboard")
+        if self.cfg.metrics.tensorboard:  # where the tracker writes them (it closes after summary.json)
+            summary["tensorboard"] = str(tensorboard_dir(self.dir))
 
 
 def _by_stage(steps: list[dict[str, float]]) -> dict[str, float]:
