@@ -183,7 +183,7 @@ def batch_search(tmp: Path, quick: bool) -> dict:
 
     sys.path.insert(0, str(common.ROOT))
     from rayhybrid.cluster.connect import connect, resolve_shape
-    from rayhybrid.config.compose import load_config
+    from rayhybrid.preflight import load_config
     from rayhybrid.tune import space
     from rayhybrid.tune.plan import peaks_from_result
     from rayhybrid.tune.run import TrialHost, base_point
@@ -261,8 +261,8 @@ def schedules(tmp: Path, quick: bool) -> dict:
     schedules, pp2 x 4 micro-batches, next to theory: the bubble formula, and the memory
     `python -m rayhybrid.plan` predicts by walking the schedule's order (rayhybrid.plan.estimate)."""
     sys.path.insert(0, str(common.ROOT))
-    from rayhybrid.config.compose import load_config
     from rayhybrid.plan.estimate import bubble_fraction, rank_memory
+    from rayhybrid.preflight import load_config
 
     cases = {
         "gpipe": [],

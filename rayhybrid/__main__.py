@@ -6,13 +6,13 @@ Exit codes: 0 done, 1 the run failed, 2 bad configuration (one line on stderr), 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import sys
 from pathlib import Path
 
-from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError, RayHybridError
+from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError
+from rayhybrid.preflight import exit_codes, fail
 
 log = logging.getLogger("rayhybrid")
 # Hydra flags that change which config is composed (or take a separate value): the checks
@@ -29,36 +29,15 @@ HYDRA_FLAGS_WITH_CONFIG = (
 HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc")
 
 
-def fail(err: Exception, code: int) -> None:
-    print(f"rayhybrid: error: {err}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
-@contextlib.contextmanager
-def exit_codes(prog: str):
-    """What the command-line entry points do with errors: a config error is one line and exit
-    code 2, another rayhybrid error one line and 1, Ctrl-C a line and 130."""
-    try:
-        yield
-    except ConfigError as err:
-        fail(err, CONFIG_EXIT_CODE)
-    except RayHybridError as err:
-        fail(err, 1)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        sys.exit(130)
-
-
 def task(node) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from rayhybrid.config.compose import scrub_run_files, to_config
-    from rayhybrid.config.validate import validate
     from rayhybrid.driver.controller import Controller
+    from rayhybrid.preflight import scrub_run_files, to_run_config, validate
 
     with exit_codes("rayhybrid"):
         hydra = HydraConfig.get()
-        cfg = dataclasses.replace(to_config(node, list(hydra.overrides.task)), run_dir=hydra.runtime.output_dir)
+        cfg = dataclasses.replace(to_run_config(node, list(hydra.overrides.task)), run_dir=hydra.runtime.output_dir)
         if hydra.output_subdir:
             scrub_run_files(Path(cfg.run_dir) / hydra.output_subdir, cfg)
         validate(cfg)
@@ -99,7 +78,7 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
 def check_sweep(overrides: list[str]) -> None:
     """Validate every job of a sweep before the first one starts: a bad value in the last job
     fails now, in one line, not after the others have trained."""
-    from rayhybrid.config.compose import load_config
+    from rayhybrid.preflight import load_config
 
     jobs = sweep_jobs(overrides)
     for num, job in enumerate(jobs or ()):
@@ -114,7 +93,8 @@ def check_sweep(overrides: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     import hydra
 
-    from rayhybrid.config.compose import conf_dir, load_config, normalize_overrides, register_schema
+    from rayhybrid.config.compose import conf_dir, normalize_overrides, register_schema
+    from rayhybrid.preflight import load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
     multirun = any(a in ("-m", "--multirun") for a in argv)

@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from rayhybrid.config.compose import load_config
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TrainConfig
+from rayhybrid.preflight import load_config
 from rayhybrid.storage import checkpoints as store
 from rayhybrid.storage.store import Store
 from tests.distributed import (

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rayhybrid.config.compose import available_options, load_config
+from rayhybrid.config.compose import available_options
 from rayhybrid.errors import ConfigError
+from rayhybrid.preflight import load_config
 
 TOPOLOGIES = ["dp1_pp1_tp1", "dp2", "dp4", "pp2", "pp4", "tp2", "tp4", "dp2_pp2", "dp2_tp2", "pp2_tp2", "dp2_pp2_tp2"]
 GPT3 = {  # name: (layers, d_model, heads), GPT-3 paper Table 2.1 (13B's 5140 is a typo for 5120)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rayhybrid.config.compose import load_config
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
 from rayhybrid.errors import ConfigError
+from rayhybrid.preflight import load_config
 from tests.distributed import run_configs, train_many
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
 def test_spec_module_imports_without_torch():
     code = (
         "import sys, tiny_parallel\n"
-        "from rayhybrid.config.compose import load_config\n"
+        "from rayhybrid.preflight import load_config\n"
         "load_config(['model.module=tiny_parallel', '+topology=dp2_pp2_tp2'])\n"
         "assert 'torch' not in sys.modules, 'the spec module imported torch'\n"
     )

@@ -14,9 +14,10 @@ from ray.cluster_utils import Cluster
 
 import rayhybrid
 from rayhybrid.config.compose import compose, to_config
-from rayhybrid.config.validate import usable_dps, validate
+from rayhybrid.config.validate import usable_dps
 from rayhybrid.driver.controller import RunFailed
 from rayhybrid.errors import ConfigError
+from rayhybrid.preflight import validate
 from tests.clusters import add_node, local_cluster
 from tests.test_recovery import in_background, losses, when_step
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 from distributed import run_configs
 
-from rayhybrid.config.compose import load_config
 from rayhybrid.config.schema import DataConfig, EvalConfig, WandbConfig
-from rayhybrid.data.streams import MarkovStream, build_held_out, build_stream, split_point
+from rayhybrid.data.sources import split_point
+from rayhybrid.data.streams import MarkovStream, build_held_out, build_stream
 from rayhybrid.errors import ConfigError
+from rayhybrid.preflight import load_config
 from rayhybrid.storage import checkpoints as cs
 from rayhybrid.storage.store import Store
 
@@ -183,7 +184,7 @@ def test_keep_best_keeps_the_lowest_val_loss_besides_the_newest(tmp_path):
 def test_a_tune_trial_of_a_keep_best_config_is_valid():
     """rayhybrid.tune's trials evaluate nothing, so they cannot keep the best checkpoint either
     (the shipped experiments set checkpoint.keep_best)."""
-    from rayhybrid.config.validate import validate
+    from rayhybrid.preflight import validate
     from rayhybrid.tune.run import trial_config
 
     cfg = load_config(["eval.every=5", "checkpoint.every=10", "checkpoint.keep_best=true"])

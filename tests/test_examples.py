@@ -51,7 +51,8 @@ def test_elastic_cluster_launcher_config_matches_its_command():
     import yaml
 
     from rayhybrid.config.compose import compose, to_config
-    from rayhybrid.config.validate import usable_dps, validate
+    from rayhybrid.config.validate import usable_dps
+    from rayhybrid.preflight import validate
 
     path = REPO / "examples" / "elastic_cluster.yaml"
     text = path.read_text()

@@ -18,9 +18,9 @@ import pytest
 from rayhybrid.config.compose import compose, to_config
 from rayhybrid.config.compose import replace as replace_cfg
 from rayhybrid.config.schema import Config, FaultConfig
-from rayhybrid.config.validate import validate
 from rayhybrid.errors import ConfigError
 from rayhybrid.faults import KINDS, FaultPlan, InjectedFault, Injection, parse, trigger, validate_faults
+from rayhybrid.preflight import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

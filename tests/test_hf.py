@@ -25,8 +25,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never dow
 import pytest
 import torch
 
-from rayhybrid.config.compose import compose, load_config, to_config
+from rayhybrid.config.compose import compose
 from rayhybrid.errors import ConfigError
+from rayhybrid.preflight import load_config, to_run_config
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store
 from tests.distributed import checkpoint_then_continue, resume_many, run_configs, run_ranks, train_many
@@ -140,12 +141,12 @@ def test_config_json_sets_the_shape(hf_dirs):
     assert not load_config(untied).model.tie_embeddings
     # The path of `rayhybrid.train` and `python -m rayhybrid.tune`: a node with its Hydra overrides.
     node = compose(["model=llama3_debug", f"model.init_from={hf_dirs['untied']}"], return_hydra_config=True)
-    assert to_config(node).model.max_positions == 128
+    assert to_run_config(node).model.max_positions == 128
     bad = compose(
         ["model=llama3_debug", f"model.init_from={hf_dirs['untied']}", "model.d_model=32"], return_hydra_config=True
     )
     with pytest.raises(ConfigError, match="model.d_model: 32 contradicts config.json's hidden_size=64"):
-        to_config(bad)
+        to_run_config(bad)
 
 
 def write_config_json(path: Path, config: dict, weights: bool = True) -> str:

@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 
-from rayhybrid.config.compose import load_config
 from rayhybrid.config.schema import Config, DataConfig, TrainConfig
 from rayhybrid.errors import ConfigError
+from rayhybrid.preflight import load_config
 from tests.distributed import replace_topology, run_ranks, train_save_resume
 from tests.test_cli import assert_one_line_error, run_cli
 

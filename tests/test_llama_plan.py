@@ -16,11 +16,11 @@ import torch
 from distributed import run_configs, settled, steady_peak_mb
 from test_cli import REPO, run_cli
 
-from rayhybrid.config.compose import load_config
 from rayhybrid.config.topology import Topology
 from rayhybrid.models.llama3.counts import flops_per_token, num_params
 from rayhybrid.plan import build_plan
 from rayhybrid.plan import estimate as est
+from rayhybrid.preflight import load_config
 
 MB = 2**20
 FLOAT, BF16 = 4, 2

@@ -10,9 +10,9 @@ import pytest
 import torch
 from distributed import forward_memory, replace_topology, run_configs, train_many
 
-from rayhybrid.config.compose import load_config
 from rayhybrid.models.gpt.model import num_params
 from rayhybrid.plan.estimate import block_bytes, head_bytes, saved_bytes_per_sample  # the hand counts
+from rayhybrid.preflight import load_config
 
 FLOAT = 4  # bytes of a float32
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from rayhybrid.config.compose import load_config
 from rayhybrid.driver.controller import check_same_model
 from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import BUILTIN, get_spec
 from rayhybrid.models.spec import ModelSpec
+from rayhybrid.preflight import load_config
 from rayhybrid.storage.checkpoints import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[1] / "rayhybrid"

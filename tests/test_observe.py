@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import rayhybrid
-from rayhybrid.config.compose import load_config
 from rayhybrid.driver.observe import device_peak_tflops
 from rayhybrid.models.gpt.model import num_params
+from rayhybrid.preflight import load_config
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 

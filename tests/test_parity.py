@@ -14,8 +14,8 @@ import math
 
 import pytest
 
-from rayhybrid.config.compose import load_config
 from rayhybrid.config.schema import SCHEDULES, Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
+from rayhybrid.preflight import load_config
 from tests.distributed import run_configs, train_many
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md

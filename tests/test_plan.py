@@ -14,12 +14,12 @@ import pytest
 from distributed import run_configs, steady_peak_mb, train_many
 from test_cli import REPO, assert_one_line_error, run_cli
 
-from rayhybrid.config.compose import load_config
 from rayhybrid.config.topology import Topology
 from rayhybrid.models.gpt.model import num_params
 from rayhybrid.plan import build_plan
 from rayhybrid.plan import estimate as est
 from rayhybrid.plan.schedule import rank_actions
+from rayhybrid.preflight import load_config
 
 MB = 2**20
 

@@ -7,8 +7,8 @@ import json
 import logging
 import time
 
-from rayhybrid.config.compose import load_config
-from rayhybrid.driver.records import ProgressBar, RunLog, RunSummary
+from rayhybrid.driver.runlog import ProgressBar, RunLog
+from rayhybrid.preflight import load_config
 
 
 class FakeTerminal(io.StringIO):
@@ -46,7 +46,7 @@ def test_one_line_per_logged_step(tmp_path, caplog):
                     "consumed_samples": 16 * step,
                 }
             )
-    out.close(RunSummary({}, {}, {}, 16, 4, str(tmp_path), "", status="completed"))
+    out.close("completed")
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
     assert [line.split("|")[0].strip() for line in logged] == ["step 1/4", "step 2/4", "step 4/4"]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from rayhybrid.config.schema import Config
-from rayhybrid.driver.records import TIMINGS, Interruption, RunLog, RunSummary, mean_throughput
+from rayhybrid.driver.records import TIMINGS, Interruption, RunSummary, mean_throughput
+from rayhybrid.driver.runlog import RunLog
 
 
 def step_record(step: int, loss: float = 2.0, tokens_per_s: float = 1000.0, step_time_s: float = 0.5) -> dict:
@@ -125,7 +126,7 @@ def test_defaults():
 def test_close_sets_first_step_and_a_total_from_since_plus_detect():
     before = time.perf_counter()
     intr = Interruption("restart", "x", 3, 2, detect_s=1.5, since=before - 0.25)
-    intr.close(0.4)
+    intr = intr.close(0.4)
     elapsed = time.perf_counter() - before
     assert intr.first_step_s == 0.4
     assert intr.total_s >= intr.detect_s
@@ -134,7 +135,7 @@ def test_close_sets_first_step_and_a_total_from_since_plus_detect():
 
 def test_close_without_detect():
     intr = Interruption("grow", "x", 3, 2)
-    intr.close(0.1)
+    intr = intr.close(0.1)
     assert intr.total_s >= 0.0 and intr.first_step_s == 0.1
 
 
@@ -249,9 +250,9 @@ def test_rewind_forgets_later_steps_but_keeps_events(runlog, tmp_path):
 
 
 def test_interruption_restart_without_resize(runlog, tmp_path):
-    s = summary()
+    s = runlog.summary
     intr = Interruption("restart", "boom", 7, 2, restart=1, dp_after=2, resume_step=5, replaced_ranks=[3])
-    runlog.interruption(intr, s)
+    runlog.interruption(intr)
     (line,) = read_lines(tmp_path / "metrics.jsonl")
     assert line == intr.restart_record()
     assert s.recoveries == [{k: v for k, v in intr.restart_record().items() if k != "event"}]
@@ -259,9 +260,9 @@ def test_interruption_restart_without_resize(runlog, tmp_path):
 
 
 def test_interruption_restart_that_shrank(runlog, tmp_path):
-    s = summary()
+    s = runlog.summary
     intr = Interruption("restart", "node lost", 7, 3, restart=1, dp_after=2, resume_step=5, total_s=4.0)
-    runlog.interruption(intr, s)
+    runlog.interruption(intr)
     assert read_lines(tmp_path / "metrics.jsonl") == [intr.restart_record(), intr.resize_record()]
     assert len(s.recoveries) == 1 and "event" not in s.recoveries[0]
     assert s.resizes == [intr.resize_record()]
@@ -269,9 +270,9 @@ def test_interruption_restart_that_shrank(runlog, tmp_path):
 
 
 def test_interruption_grow(runlog, tmp_path):
-    s = summary()
+    s = runlog.summary
     intr = Interruption("grow", "replicas placed", 20, 2, dp_after=4, resume_step=20)
-    runlog.interruption(intr, s)
+    runlog.interruption(intr)
     assert read_lines(tmp_path / "metrics.jsonl") == [intr.resize_record()]
     assert s.recoveries == [] and s.resizes == [intr.resize_record()]
 
@@ -279,10 +280,10 @@ def test_interruption_grow(runlog, tmp_path):
 def test_close_writes_the_summary(runlog, tmp_path):
     runlog.step(step_record(1))
     runlog.step(step_record(2))
-    s = summary(status="completed", error=None, workers={"backend": "gloo"}, figures={"mfu": 0.1})
-    s.finish(runlog.history)
-    data = runlog.close(s)
-    assert data == s.to_dict()
+    s = runlog.summary
+    s.workers, s.figures = {"backend": "gloo"}, {"mfu": 0.1}
+    data = runlog.close("completed", restarts=1)
+    assert data == s.to_dict() and data["status"] == "completed" and data["restarts"] == 1
     assert json.loads((tmp_path / "summary.json").read_text()) == data
     assert data["steps"] == 2 and data["backend"] == "gloo" and "error" not in data
     assert not (tmp_path / "summary.json.tmp").exists()
@@ -318,31 +319,32 @@ def test_a_commit_whose_report_was_lost_is_recorded_when_it_is_restored(tmp_path
     """An asynchronous save's commit reaches the driver with the next step's results; a failure
     in that step takes the report with it. Recovery restores that committed checkpoint, and the
     driver records it then, so every checkpoint resumed from was recorded as saved."""
-    from rayhybrid.config.compose import load_config
-    from rayhybrid.driver.controller import Controller
+    from rayhybrid.driver.checkpoints import CheckpointLedger
+    from rayhybrid.driver.state import RunState
+    from rayhybrid.preflight import load_config
     from rayhybrid.storage.checkpoints import Checkpoint
+    from rayhybrid.storage.store import Store
 
     cfg = dataclasses.replace(load_config(), run_dir=str(tmp_path))
 
     def found(step: int) -> Checkpoint:
         return Checkpoint(str(tmp_path / "checkpoints" / f"step_{step:08d}"), {"step": step})
 
-    def controller() -> Controller:
-        c = Controller(cfg)
-        c.log, c.summary, c.committed_step, c.started_at = RunLog(cfg), summary(), None, None
-        return c
+    def ledger() -> CheckpointLedger:
+        return CheckpointLedger(cfg, Store.open(str(tmp_path / "checkpoints")), RunLog(cfg))
 
-    resumed = controller()
-    resumed._unreported_commit(found(4))  # the run's first restore: a checkpoint it found, not saved
-    resumed.committed_step = 8  # the driver had step 8's report
-    resumed._unreported_commit(found(8))  # restoring it after a failure: nothing new
-    resumed._unreported_commit(found(10))  # committed, its report lost with the failure
-    assert resumed.committed_step == 10 and resumed.summary.checkpoints["saved"] == 1
-    assert resumed.summary.last_checkpoint == found(10).path
-    fresh = controller()
-    fresh._unreported_commit(None)  # from scratch
-    fresh._unreported_commit(found(2))
-    assert fresh.committed_step == 2 and fresh.summary.checkpoints["saved"] == 1
+    resumed = ledger()
+    run = resumed.restored(RunState(), found(4))  # the run's first restore: a checkpoint it found, not saved
+    run = run.but(committed=8)  # the driver had step 8's report
+    run = resumed.restored(run, found(8))  # restoring it after a failure: nothing new
+    run = resumed.restored(run, found(10))  # committed, its report lost with the failure
+    summary_ = resumed.log.summary
+    assert run.committed == 10 and summary_.checkpoints["saved"] == 1
+    assert summary_.last_checkpoint == found(10).path
+    fresh = ledger()
+    run = fresh.restored(RunState(), None)  # from scratch
+    run = fresh.restored(run, found(2))
+    assert run.committed == 2 and fresh.log.summary.checkpoints["saved"] == 1
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(e["event"], e["step"], e["path"]) for e in events] == [
         ("checkpoint", 10, found(10).path),

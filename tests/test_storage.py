@@ -22,10 +22,11 @@ import yaml
 from fsspec.registry import known_implementations
 from omegaconf import OmegaConf
 
-from rayhybrid.config.compose import load_config, normalize_overrides, scrub_run_files
+from rayhybrid.config.compose import normalize_overrides
 from rayhybrid.config.schema import CheckpointConfig, Config
 from rayhybrid.driver.controller import open_store
 from rayhybrid.errors import ConfigError
+from rayhybrid.preflight import load_config, scrub_run_files
 from rayhybrid.storage import checkpoints as cs
 from rayhybrid.storage.store import (
     PROBE_DIR,

@@ -176,8 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--kill-after", choices=("controller", "worker"), default="controller")
     p.add_argument("--health-check-interval", type=float, default=None)
     args, overrides = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-    from rayhybrid.config.compose import load_config
     from rayhybrid.errors import ConfigError
+    from rayhybrid.preflight import load_config
 
     try:
         cfg = load_config(overrides)

@@ -65,9 +65,9 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from rayhybrid.config.compose import load_config
     from rayhybrid.errors import ConfigError
     from rayhybrid.parallel.mesh import init_process_group
+    from rayhybrid.preflight import load_config
     from rayhybrid.trainer.loop import Trainer
 
     torch.set_num_threads(1)

@@ -5,21 +5,20 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayhybrid.cluster.drain import DRAIN_TIMEOUT_S, Drained, drain, finished
 from rayhybrid.cluster.placement import (
     ReplicaShape,
     create_replicas,
-    dead_nodes,
     placement_state,
     release,
-    wait_for_node_verdicts,
 )
+from rayhybrid.cluster.results import merge_steps
 from rayhybrid.cluster.worker import CONTROL, TrainWorker, WorkerInfo
 from rayhybrid.config.schema import Config, with_dp
 from rayhybrid.config.topology import Layout
@@ -28,29 +27,12 @@ from rayhybrid.faults import Injection
 from rayhybrid.storage.store import forwarded_env
 
 if TYPE_CHECKING:
-    from rayhybrid.driver.records import StepMetrics
+    from rayhybrid.cluster.results import StepMetrics
 
 log = logging.getLogger(__name__)
 
-# After a failure, how long the workers still running get to notice it and leave the process
-# group (they normally take well under a second: the failed rank's closed connections wake
-# them; a killed stopped process takes Ray about 5s to end).
-DRAIN_TIMEOUT_S = 30.0
 # At start, once the replicas needed are placed, how long the others may take to join in.
 START_GRACE_S = 2.0
-# How long a worker blocked in a collective gets to answer a ping before it counts as hung.
-PING_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class Drained:
-    """What a failed call left: the ranks whose workers are gone (dead, hung or on a lost
-    node; numbered in the world that failed) and the replica slots they belonged to."""
-
-    dead: frozenset[int]
-    broken: frozenset[int]
-    nodes_lost: frozenset[str]
-    """Nodes of dead workers that the cluster has declared dead."""
 
 
 class WorkerGroup:
@@ -158,52 +140,9 @@ class WorkerGroup:
         self._join()
 
     def drain(self) -> Drained:
-        """After a failed call: every worker that still answers leaves the process group (a
-        worker whose call failed has left already, closing its connections, so the peers
-        blocked on it fail too, in a cascade); the ones that died, hang, or do not answer are
-        killed. Waits (bounded) until the cluster has decided about the nodes of the workers
-        that do not answer: a node that lost power is declared dead only after Ray's health
-        checks, and until then its placement group looks placed."""
-        topo = self.layout.topology
-        workers = self.workers
-        hung = self._unresponsive() if self._hung else set()
-        self._stop([workers[rank] for rank in hung])  # their connections close: blocked peers fail
-        dead = set(hung)
-        resets = {rank: workers[rank].reset.remote() for rank in range(len(workers)) if rank not in dead}
-        done, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=DRAIN_TIMEOUT_S)
-        unreachable = set()
-        for rank, ref in resets.items():
-            if ref not in done:
-                log.warning("rank %d did not leave the process group within %.0fs; replacing it", rank, DRAIN_TIMEOUT_S)
-                unreachable.add(rank)
-                continue
-            try:
-                ray.get(ref)
-            except ActorUnavailableError:  # its process cannot be reached, and Ray does not know why yet
-                unreachable.add(rank)
-            except RayError:
-                dead.add(rank)
-        dead |= unreachable
-        self._stop([workers[rank] for rank in dead - hung])
-        _settle(self._inflight)
-        self._inflight = []
-        # The nodes of the workers gone: one that lost power looks alive for a while yet, and
-        # its placement groups placed; a worker started there again would never start.
-        suspects = {self.infos[rank].node_id for rank in dead}
-        nodes_lost = wait_for_node_verdicts(suspects, self.cfg.cluster.placement_timeout_s)
-        nodes_lost |= {self.infos[rank].node_id for rank in dead} & dead_nodes()
-        for rank in dead:
-            slot = self.active[topo.coord(rank).dp]
-            self.replicas[slot][rank % topo.replica_size] = None
-        log.info(
-            "kept %d worker(s), replacing %d (ranks %s)%s",
-            len(workers) - len(dead),
-            len(dead),
-            ",".join(map(str, sorted(dead))) or "none",
-            f"; {len(nodes_lost)} node(s) lost" if nodes_lost else "",
-        )
-        broken = frozenset(self.active[topo.coord(rank).dp] for rank in dead)
-        return Drained(frozenset(dead), broken, frozenset(nodes_lost))
+        """After a failed call: what is dead, which slots are broken, which nodes are lost
+        (rayhybrid/cluster/drain.py)."""
+        return drain(self)
 
     def wait_placed(self, slots, timeout_s: float) -> set[int]:
         """Wait until the placement groups of `slots` are placed (again: Ray places the bundles
@@ -222,22 +161,6 @@ class WorkerGroup:
             raise PlacementTimeout(not_placed_again(len(lost), self.cfg.cluster.placement_timeout_s))
         self.rebuild(self.active)
         return sorted(drained.dead)
-
-    def _unresponsive(self) -> set[int]:
-        """Ranks whose process does not answer a ping (stopped, wedged, holding the GIL)."""
-        workers = self.workers
-        busy = [rank for rank, ref in enumerate(self._inflight) if not _finished(ref)]
-        pings = {rank: workers[rank].ping.remote() for rank in busy}
-        done, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_TIMEOUT_S)
-        silent = set()
-        for rank, ref in pings.items():
-            try:
-                if ref not in done:
-                    raise TimeoutError
-                ray.get(ref)
-            except (RayError, TimeoutError):
-                silent.add(rank)
-        return silent
 
     def _spawn(self, slot: int, local: int):
         """An actor for position `local` (stage-major) of the replica in `slot`."""
@@ -293,28 +216,7 @@ class WorkerGroup:
         A call that makes no progress for `timeout_s` counts as a failed (hung) worker.
         `inject`: a `fault.inject` fault for one rank to trigger at the start of the call."""
         results = self._get(self._calls("train", inject, steps), timeout_s=timeout_s, what="step")
-        per_replica = self.layout.topology.replica_size
-        merged = []
-        for i, metrics in enumerate(results[0]):
-            metrics = dict(metrics)
-            # The sample ranges each replica's first stage read: [[start, count], ...] in dp order.
-            metrics["samples"] = [results[d * per_replica][i].pop("samples_read") for d in range(self.dp)]
-            metrics.pop("samples_read", None)
-            for name in ("peak_mb", "activation_mb"):  # metrics.memory: every rank's, "rank<r>/stage<s>/<phase>"
-                if name in metrics:
-                    metrics[name] = {
-                        f"rank{rank}/{key}": mb
-                        for rank, steps in enumerate(results)
-                        for key, mb in steps[i][name].items()
-                    }
-            if "cpu_s" in metrics:  # the busiest rank's CPU time (ranks sharing cores wait for them)
-                metrics["cpu_s"] = max(steps[i].get("cpu_s", 0.0) for steps in results)
-            bubbles = [steps[i]["bubble"] for steps in results if steps[i].get("bubble") is not None]
-            metrics["bubble"] = sum(bubbles) / len(bubbles) if bubbles else None  # the pipeline's idle share
-            if "trace" in metrics:  # metrics.trace_steps: every rank's spans
-                metrics["trace"] = [event for steps in results for event in steps[i].get("trace", [])]
-            merged.append(metrics)
-        return merged
+        return merge_steps(results, self.dp, self.layout.topology.replica_size)
 
     def reconfigure(self, cfg: Config) -> None:
         """Join every worker again under `cfg` (same topology; other settings may change, e.g.
@@ -323,7 +225,7 @@ class WorkerGroup:
         if (t.dp, t.pp, t.tp) != (now.dp, now.pp, now.tp):
             raise ValueError("reconfigure keeps dp, pp and tp; use rebuild for another dp")
         self.cfg = cfg
-        if self._inflight and not all(_finished(ref) for ref in self._inflight) or self._failed():
+        if self._inflight and not all(finished(ref) for ref in self._inflight) or self._failed():
             self.recover()
         else:
             self._join()
@@ -335,7 +237,7 @@ class WorkerGroup:
         ray.wait(refs, num_returns=len(refs), timeout=DRAIN_TIMEOUT_S)
         out = {}
         for rank, ref in enumerate(refs):
-            if _finished(ref):
+            if finished(ref):
                 try:
                     ray.get(ref)
                 except RayTaskError as err:
@@ -460,21 +362,6 @@ def not_placed_again(count: int, wait_s: float) -> str:
         f"{count} replica(s) lost workers and could not be placed again within {wait_s:g}s "
         "(cluster.placement_timeout_s); add nodes or raise cluster.placement_timeout_s"
     )
-
-
-def _settle(refs: list) -> None:
-    """Collect the outcome of a failed call's refs (all have ended or their actor is gone), so
-    Ray does not report the expected errors as unhandled."""
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
-    for ref in done:
-        try:
-            ray.get(ref)
-        except RayError:
-            pass
-
-
-def _finished(ref) -> bool:
-    return bool(ray.wait([ref], timeout=0)[0])
 
 
 def _gpu_key(gpu: str) -> tuple[int, str]:

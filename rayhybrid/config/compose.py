@@ -1,6 +1,8 @@
-"""Hydra composition: `conf/` YAML over the schema dataclasses -> a validated, frozen `Config`.
+"""Hydra composition: `conf/` YAML over the schema dataclasses -> a frozen `Config`.
 
-This package is the only one that imports Hydra/OmegaConf (docs/design.md, invariant 7).
+This package is the only one that imports Hydra/OmegaConf (docs/design.md, invariant 7). It
+imports nothing of rayhybrid above configuration: the shape `model.init_from` implies and the
+checks of every concern are applied by `rayhybrid.preflight.load_config`, which entry points use.
 """
 
 from __future__ import annotations
@@ -168,15 +170,17 @@ def _check_settings(cfg: DictConfig) -> None:
         raise _required_error(missing, hints)
 
 
-def to_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Config:
-    """Composed OmegaConf node (with or without the `hydra` key) -> frozen `Config`, with the
-    shape of `model.init_from`'s Hugging Face config.json (rayhybrid/models/hf.py). `overrides`:
-    the command line's (default: the node's `hydra.overrides.task`), which must not contradict it."""
+def task_overrides(cfg: DictConfig) -> list[str]:
+    """The command line's overrides a composed node carries (`hydra.overrides.task`)."""
+    return list(OmegaConf.select(cfg, "hydra.overrides.task", default=None) or [])
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Composed OmegaConf node (with or without the `hydra` key) -> frozen `Config`, as the
+    YAML and overrides give it (`rayhybrid.preflight.to_run_config` adds `model.init_from`'s
+    shape)."""
     cfg = cfg.copy()
-    with_hydra = "hydra" in cfg
-    if with_hydra:
-        if overrides is None:
-            overrides = list(OmegaConf.select(cfg, "hydra.overrides.task", default=None) or [])
+    if "hydra" in cfg:
         OmegaConf.set_struct(cfg, False)
         cfg.pop("hydra")
     _check_settings(cfg)
@@ -188,9 +192,7 @@ def to_config(cfg: DictConfig, overrides: Sequence[str] | None = None) -> Config
     except OmegaConfBaseException as err:
         raise ConfigError(getattr(err, "full_key", "") or "config", str(err).splitlines()[0]) from None
     assert isinstance(obj, Config)
-    from rayhybrid.models.hf import resolve_init_from
-
-    return resolve_init_from(obj, overrides or ())
+    return obj
 
 
 def compose(overrides: Sequence[str] = (), *, return_hydra_config: bool = False) -> DictConfig:
@@ -209,15 +211,6 @@ def compose(overrides: Sequence[str] = (), *, return_hydra_config: bool = False)
         raise composition_error(err) from None
 
 
-def load_config(overrides: Sequence[str] = ()) -> Config:
-    """Compose and validate (static checks only; cluster capacity is checked on connect)."""
-    from rayhybrid.config.validate import validate
-
-    cfg = to_config(compose(overrides), overrides)
-    validate(cfg)
-    return cfg
-
-
 def replace(cfg: Config, **sections: dict) -> Config:
     """`replace(cfg, topology={"dp": 2})`: a copy with some fields of some sections changed."""
     changes = {}
@@ -225,18 +218,3 @@ def replace(cfg: Config, **sections: dict) -> Config:
         current = getattr(cfg, name)
         changes[name] = dataclasses.replace(current, **fields) if isinstance(fields, dict) else fields
     return dataclasses.replace(cfg, **changes)
-
-
-def scrub_run_files(hydra_dir: str | Path, cfg: Config) -> None:
-    """Rewrite the files Hydra keeps of a run (.hydra/*.yaml) without the secrets of `cfg`
-    (checkpoint.storage_options values under secret keys, user:password in checkpoint.dir)."""
-    from rayhybrid.storage.store import scrub, secret_values
-
-    secrets = secret_values(cfg.checkpoint.storage_options, cfg.checkpoint.dir)
-    if not secrets:
-        return
-    for path in Path(hydra_dir).glob("*.yaml"):
-        text = path.read_text()
-        clean = scrub(text, secrets)
-        if clean != text:
-            path.write_text(clean)

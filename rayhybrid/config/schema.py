@@ -6,8 +6,6 @@ the public interface (`topology.dp=4`, `train.lr=1e-3`, ...).
 
 from __future__ import annotations
 
-import glob
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -129,16 +127,6 @@ class DataConfig:
     val_fraction: float = 0.0
     """text, tokens (without data.val_path): hold out this tail fraction of data.path's tokens
     for evaluation; training reads only the rest. 0: none."""
-
-    def text_files(self, path: str | None = None) -> list[str]:
-        """`path` (default: data.path) as a list of files: a file, a directory (its *.txt,
-        recursively) or a glob."""
-        path = os.path.expanduser(self.path if path is None else path)
-        if os.path.isdir(path):
-            return sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
-        if any(ch in path for ch in "*?["):
-            return sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
-        return [path] if os.path.isfile(path) else []
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,9 @@ package once it can see the cluster.
 
 from __future__ import annotations
 
-import os
-
 from rayhybrid.config.schema import DATA_KINDS, DTYPES, SCHEDULES, Config
 from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError
-from rayhybrid.faults import validate_faults
-from rayhybrid.tracking import validate as validate_tracking
 
 DECAYS = ("cosine", "linear", "constant")
 MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
@@ -67,8 +63,6 @@ def validate(cfg: Config) -> None:
     _choice("data.name", d.name, DATA_KINDS)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
 
-    _model(cfg)
-
     virtual = Layout.of(cfg).virtual_stages
     if t.pp > 1 and t.schedule in ("gpipe", "1f1b") and t.stages_per_rank != 1:
         raise ConfigError(
@@ -93,23 +87,6 @@ def validate(cfg: Config) -> None:
         _elastic(cfg)
     else:
         _batch_split(cfg, t.dp)
-    validate_faults(cfg)
-    _checkpoint_dir(cfg.checkpoint.dir)
-    validate_tracking(cfg)
-
-    if d.name == "text" and m.vocab_size < 256:
-        raise ConfigError(
-            "model.vocab_size", f"text data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}"
-        )
-    if d.name in ("text", "tokens"):
-        if not d.path:
-            raise ConfigError("data.path", f"data={d.name} needs data.path=<file, directory or glob>")
-        if d.name == "tokens" and not os.path.isfile(os.path.expanduser(d.path)):
-            raise ConfigError("data.path", f"token file {d.path!r} does not exist")
-        if d.name == "text" and not d.text_files():
-            raise ConfigError(
-                "data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob"
-            )
     _held_out(cfg)
 
 
@@ -136,8 +113,6 @@ def _held_out(cfg: Config) -> None:
             f"evaluation needs held-out data for data={d.name}: set data.val_path=<{d.name} not trained on> "
             "or data.val_fraction=0.01 (the tail of data.path), or eval.every=0",
         )
-    if d.name in ("text", "tokens") and (d.val_path or d.val_fraction):
-        _windows(cfg)
     if ck.keep_best:
         if not ev.every:
             raise ConfigError("checkpoint.keep_best", "needs a held-out loss to compare: set eval.every=N")
@@ -146,65 +121,6 @@ def _held_out(cfg: Config) -> None:
                 "checkpoint.keep_best",
                 f"every checkpoint needs a val_loss: make checkpoint.every={ck.every} a multiple of eval.every={ev.every}",
             )
-
-
-def _windows(cfg: Config) -> None:
-    """Enough tokens for one window (data.seq_len + 1) in data.path's training part and in the
-    held-out data, counted without reading them (file sizes, a .npy header)."""
-    d, need = cfg.data, cfg.data.seq_len + 1
-    train = _token_count(d, d.path)
-    if d.val_path:
-        held = _token_count(d, d.val_path)
-        if held is None:
-            what = "no text file" if d.name == "text" else "no file"
-            raise ConfigError("data.val_path", f"{d.val_path!r} matches {what}; give held-out data like data.path's")
-        if held < need:
-            raise ConfigError(
-                "data.val_path",
-                f"{d.val_path!r} holds {held} tokens, fewer than data.seq_len + 1 = {need}; give more held-out data",
-            )
-    elif d.val_fraction and train is not None:
-        from rayhybrid.data.streams import split_point
-
-        cut = split_point(train, d.val_fraction)
-        if train - cut < need or cut < need:
-            raise ConfigError(
-                "data.val_fraction",
-                f"{d.val_fraction:g} of {train} tokens leaves {train - cut} held out and {cut} to train on; "
-                f"each needs data.seq_len + 1 = {need}: change data.val_fraction or give data.val_path",
-            )
-
-
-def _token_count(d, path: str) -> int | None:
-    """Tokens in `path` as data.name reads it (text: bytes, with a separator between files);
-    None when there is nothing there, or nothing readable (the workers say what is wrong when
-    they open it)."""
-    if d.name == "text":
-        files = d.text_files(path)
-        return sum(os.path.getsize(f) for f in files) + len(files) - 1 if files else None
-    import numpy as np
-
-    path = os.path.expanduser(path)
-    if not os.path.isfile(path):
-        return None
-    try:
-        if path.endswith(".npy"):
-            return int(np.load(path, mmap_mode="r").size)
-        return os.path.getsize(path) // np.dtype(d.token_dtype).itemsize
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def _model(cfg: Config) -> None:
-    """The model's own checks (its spec's `validate`), after Hugging Face's config.json has set
-    the shape (`model.init_from`, see rayhybrid/models/hf.py)."""
-    from rayhybrid.models.registry import get_spec
-
-    spec = get_spec(cfg.model)
-    if cfg.model.module and cfg.model.init_from and spec.hf is None:
-        raise ConfigError("model.init_from", f"model.module={cfg.model.module} has no Hugging Face adapter (SPEC.hf)")
-    if spec.validate is not None:
-        spec.validate(cfg)
 
 
 def _batch_split(cfg: Config, dp: int) -> None:
@@ -256,25 +172,3 @@ def _elastic(cfg: Config) -> None:
             f"{tr.micro_batch_size}; valid dp values: {', '.join(map(str, anywhere)) or 'none'}; "
             "change elastic.min_dp/max_dp or train.global_batch_size",
         )
-
-
-def _checkpoint_dir(url: str) -> None:
-    """A URL's protocol must be one fsspec knows, with its package installed (s3fs for s3://)."""
-    if "://" not in url:
-        return
-    import fsspec
-
-    from rayhybrid.storage.store import one_line, redact_url
-
-    protocol = url.split("://", 1)[0]
-    try:
-        fsspec.get_filesystem_class(protocol)
-    except ImportError as err:
-        raise ConfigError(
-            "checkpoint.dir", f"{redact_url(url)} needs a package that is not installed ({one_line(err)})"
-        ) from None
-    except ValueError:
-        raise ConfigError(
-            "checkpoint.dir",
-            f"unknown storage protocol {protocol}:// in {redact_url(url)}; use a path or s3://, gs://, ...",
-        ) from None

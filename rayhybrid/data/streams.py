@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from rayhybrid.config.schema import DataConfig
+from rayhybrid.data.sources import split_point, text_files
 
 HELD_OUT = 0x4E1D
 """Mixed into the seed of every held-out sample (`held_out`): a stream independent of training's."""
@@ -146,17 +147,11 @@ def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStr
     return WindowStream(tail, cfg.seq_len, seed, f"the last {cfg.val_fraction:g} of {cfg.path}", "data.val_fraction")
 
 
-def split_point(n_tokens: int, val_fraction: float) -> int:
-    """Where data.val_fraction's tail begins: training reads tokens [0, split), evaluation
-    [split, n). Whole windows never straddle it: each stream windows its own part."""
-    return n_tokens - round(n_tokens * val_fraction)
-
-
 def _tokens(cfg: DataConfig, path: str, setting: str) -> np.ndarray:
     """`path` (data.path or data.val_path, named by `setting`) as one token array: text as
     bytes, tokens as ids."""
     if cfg.name == "text":
-        files = cfg.text_files(path)
+        files = text_files(path)
         if not files:
             raise ValueError(
                 f"{setting}={path!r} matches no text file; point it at a file, a directory of *.txt or a glob"

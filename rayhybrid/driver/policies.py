@@ -16,6 +16,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rayhybrid.config.validate import usable_dps
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -81,6 +83,15 @@ class ScalingPolicy:
     usable: Sequence[int]
     min_dp: int
     elastic: bool = True
+
+    @classmethod
+    def of(cls, cfg) -> ScalingPolicy:
+        """The policy a config asks for: its topology.dp alone, or elastic.* over the dp values
+        that split the global batch."""
+        if not cfg.elastic.enabled:
+            return cls([cfg.topology.dp], cfg.topology.dp, elastic=False)
+        usable = usable_dps(cfg)
+        return cls(usable, min(d for d in usable if d >= cfg.elastic.min_dp), elastic=True)
 
     @property
     def slots(self) -> int:

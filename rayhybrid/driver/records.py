@@ -1,71 +1,27 @@
-"""What a run records, as typed records, and the one writer of its outputs.
-
-    log = RunLog(cfg)                       # <run dir>/metrics.jsonl, step lines, progress bar
-    log.step(metrics)                       # one optimizer step (a dict from the workers)
-    log.interruption(interruption)          # a restart or resize, once its first step is done
-    log.event(record)                       # checkpoint, resume, fault_injected
-    log.close(summary)                      # summary.json
-    log.trackers = Trackers.open(...)       # W&B / MLflow get every record too (rayhybrid.tracking)
+"""What a run records, as typed records: an interruption (a restart or resize, from the last
+step before it to the first step after) and the run's summary (summary.json), which is folded
+from the records the run log writes (`RunSummary.record`), never set by the driver's states.
 
 `metrics.jsonl` holds one JSON object per line: a step record (has "loss"), or an event (has
-"event": resume, checkpoint, restart, resize, fault_injected). A step trained again after a
-recovery replaces its earlier record (`rewind`), so every step appears once.
+"event": resume, checkpoint, checkpoint_failed, restart, resize, preemption, fault_injected).
+The writer is `rayhybrid.driver.runlog.RunLog`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TypedDict
 
-from rayhybrid.config.schema import Config
+from rayhybrid.cluster.results import StepMetrics
 
-log = logging.getLogger("rayhybrid")
-
-
-class StepMetrics(TypedDict, total=False):
-    """One optimizer step, as `metrics.jsonl` stores it: rank 0's figures from the trainer,
-    merged with every rank's by the worker group, completed by the observer and the log."""
-
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    step_time_s: float
-    tokens_per_s: float
-    consumed_samples: int
-    num_microbatches: int
-    dp: int
-    pp: int
-    tp: int
-    samples: list[list[int]]
-    """[first sample, count] read by each data-parallel replica, in dp order."""
-    bubble: float | None
-    """The pipeline's idle share of the step, over ranks."""
-    peak_mb: dict[str, float]
-    """metrics.memory: "rank<r>/stage<s>/<phase>" -> MB."""
-    activation_mb: dict[str, float]
-    val_loss: float
-    """The held-out loss after this step (eval.every; absent on other steps)."""
-    eval_s: float
-    """Seconds the evaluation took (not in step_time_s)."""
-    tflops: float
-    mfu: float | None
-    time: float
-    """Wall clock when the driver had the step."""
-
+__all__ = ["TIMINGS", "Interruption", "RunSummary", "StepMetrics", "mean_throughput"]
 
 TIMINGS = ("detect_s", "save_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Interruption:
     """A restart after a failure, or a resize at a checkpoint boundary: from the last step
     before it to the first step after. Timings are seconds; a phase that did not happen is 0."""
@@ -92,10 +48,12 @@ class Interruption:
     since: float = field(default_factory=time.perf_counter, repr=False)
     """perf_counter() at the last step before (grow) or at the failure (restart)."""
 
-    def close(self, first_step_s: float) -> None:
+    def but(self, **changes) -> Interruption:
+        return dataclasses.replace(self, **changes)
+
+    def close(self, first_step_s: float) -> Interruption:
         """The first step after is done: `total_s` runs from the last step before it."""
-        self.first_step_s = first_step_s
-        self.total_s = time.perf_counter() - self.since + self.detect_s
+        return self.but(first_step_s=first_step_s, total_s=time.perf_counter() - self.since + self.detect_s)
 
     def restart_record(self) -> dict:
         return {
@@ -168,6 +126,30 @@ class RunSummary:
     figures: dict = field(default_factory=dict)
     """What the observer adds at the end: FLOP/s, MFU, bubble, memory, plots."""
 
+    def record(self, record: dict) -> None:
+        """Fold one event of metrics.jsonl into the summary (`RunLog.event` calls it)."""
+        kind, fields = record["event"], {k: v for k, v in record.items() if k != "event"}
+        if kind == "checkpoint":
+            c = self.checkpoints
+            c["saved"] += 1
+            c["blocked_s"] = round(c["blocked_s"] + (record.get("blocked_s") or 0.0), 3)
+            c["upload_s"] = round(c["upload_s"] + (record.get("upload_s") or 0.0), 3)
+            self.last_checkpoint = record.get("path")
+        elif kind == "checkpoint_failed":
+            self.checkpoints["failed"] += 1
+        elif kind == "resume":
+            if self.resumed_from is None:
+                self.resumed_from = record["checkpoint"]
+            self.resumed_step = record["step"]
+        elif kind == "fault_injected":
+            self.faults_injected.append(record)
+        elif kind == "preemption":
+            self.preemptions.append(fields)
+        elif kind == "restart":
+            self.recoveries.append(fields)
+        elif kind == "resize":
+            self.resizes.append(record)
+
     def finish(self, history: list[dict]) -> None:
         """Fill the figures that come from the step records."""
         if history:
@@ -200,155 +182,6 @@ class RunSummary:
             if out[optional] is None:
                 del out[optional]
         return {**out, **self.workers, **self.figures}
-
-
-class ProgressBar:
-    """A one-line bar redrawn on stderr, only when stderr is a terminal."""
-
-    def __init__(self, total: int, stream=None) -> None:
-        self.total = total
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
-        self.text = ""
-
-    def update(self, done: int, loss: float, eta_s: float) -> None:
-        width = 30
-        filled = int(width * done / max(1, self.total))
-        self.text = (
-            f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} loss {loss:.4f} eta {duration(eta_s)}"
-        )
-        self.draw()
-
-    def draw(self) -> None:
-        if self.enabled and self.text:
-            self.stream.write("\r\033[K" + self.text)
-            self.stream.flush()
-
-    def clear(self) -> None:
-        if self.enabled and self.text:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-
-
-def duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-class RunLog:
-    """metrics.jsonl, step lines, progress bar and summary.json for one run directory: the
-    only writer of these files."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-        self.dir = Path(cfg.run_dir or ".").resolve()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.dir / "metrics.jsonl"
-        self.metrics_file = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 - open for the run
-        self.bar = ProgressBar(cfg.train.steps)
-        self.history: list[StepMetrics] = []
-        self.started = time.perf_counter()
-        self.trackers = None
-        """Experiment trackers (rayhybrid.tracking.Trackers) that get every record too."""
-
-    def step(self, metrics: StepMetrics) -> None:
-        metrics["time"] = time.time()  # wall clock when the driver had the step (for step-to-step intervals)
-        self.history.append(metrics)
-        self._write(metrics)
-        if self.trackers is not None:
-            self.trackers.step(metrics)
-        step, total = metrics["step"], self.cfg.train.steps
-        evaluated = metrics.get("val_loss") is not None
-        if step % self.cfg.train.log_every == 0 or step == total or step == 1 or evaluated:
-            self.bar.clear()
-            extra = (f" | val_loss {metrics['val_loss']:.4f}" if evaluated else "") + "".join(
-                f" | {name} {metrics[key]:.1%}"
-                for key, name in (("mfu", "MFU"), ("bubble", "bubble"))
-                if metrics.get(key) is not None
-            )
-            log.info(
-                "step %*d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2fs/step%s",
-                len(str(total)),
-                step,
-                total,
-                metrics["loss"],
-                metrics["lr"],
-                metrics["grad_norm"],
-                f"{metrics['tokens_per_s']:,.0f}",
-                metrics["step_time_s"],
-                extra,
-            )
-        eta = (time.perf_counter() - self.started) / max(1, len(self.history)) * (total - step)
-        self.bar.update(step, metrics["loss"], eta)
-
-    def event(self, record: dict) -> None:
-        """A non-step record (has an "event" key)."""
-        self._write(record)
-        if self.trackers is not None:
-            self.trackers.event(record)
-
-    def interruption(self, intr: Interruption, summary: RunSummary) -> None:
-        """A restart or resize whose first step is done: its records, in the summary too."""
-        if intr.kind == "restart":
-            record = intr.restart_record()
-            summary.recoveries.append({k: v for k, v in record.items() if k != "event"})
-            self.event(record)
-            log.warning(
-                "recovered from the failure at step %d in %.1fs (teardown %.1fs, place %.1fs, init %.1fs, "
-                "restore %.1fs, first step %.1fs)",
-                intr.step,
-                intr.total_s,
-                intr.teardown_s,
-                intr.place_s,
-                intr.init_s,
-                intr.restore_s,
-                intr.first_step_s,
-            )
-        if intr.dp_after != intr.dp_before:
-            record = intr.resize_record()
-            summary.resizes.append(record)
-            self.event(record)
-            log.warning(
-                "resized dp %d -> %d (%s): %.1fs from the last step before to the first step after",
-                intr.dp_before,
-                intr.dp_after,
-                record["cause"],
-                intr.total_s,
-            )
-
-    def rewind(self, step: int) -> None:
-        """Forget steps after `step` (they will be trained again from a checkpoint), in memory
-        and in metrics.jsonl, so every step appears once with the values that count."""
-        self.history = [m for m in self.history if m["step"] <= step]
-        self.metrics_file.close()
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            record = json.loads(line)
-            if "event" in record or record["step"] <= step:
-                kept.append(line)
-        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.metrics_path)
-        self.metrics_file = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 - open for the run
-
-    def write_json(self, name: str, data, indent: int = 1) -> None:
-        """A JSON file in the run directory, replaced atomically (workers.json, summary.json)."""
-        path = self.dir / name
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=indent) + "\n")
-        os.replace(tmp, path)
-
-    def close(self, summary: RunSummary) -> dict:
-        self.bar.clear()
-        self.metrics_file.close()
-        data = summary.to_dict()
-        self.write_json("summary.json", data, indent=2)
-        if self.trackers is not None:
-            self.trackers.close(data)
-        return data
-
-    def _write(self, record: dict) -> None:
-        self.metrics_file.write(json.dumps(record) + "\n")
 
 
 def mean_throughput(history: list[dict]) -> float:

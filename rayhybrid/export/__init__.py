@@ -256,7 +256,7 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rayhybrid.__main__ import exit_codes
+    from rayhybrid.preflight import exit_codes
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):

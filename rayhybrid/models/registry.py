@@ -57,3 +57,13 @@ def _load(module: str, setting: str) -> ModelSpec:
             f"module {module!r} has no SPEC (a rayhybrid.models.spec.ModelSpec); see examples/custom_model/",
         )
     return spec
+
+
+def validate_model(cfg) -> None:
+    """The model's own checks (its spec's `validate`), after Hugging Face's config.json has set
+    the shape (`model.init_from`, see rayhybrid/models/hf.py)."""
+    spec = get_spec(cfg.model)
+    if cfg.model.module and cfg.model.init_from and spec.hf is None:
+        raise ConfigError("model.init_from", f"model.module={cfg.model.module} has no Hugging Face adapter (SPEC.hf)")
+    if spec.validate is not None:
+        spec.validate(cfg)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from rayhybrid.__main__ import exit_codes
+from rayhybrid.preflight import exit_codes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     as_json = "--json" in argv
     overrides = [a for a in argv if a != "--json"]
     with exit_codes("rayhybrid.plan"):
-        from rayhybrid.config.compose import load_config
         from rayhybrid.plan.placement import cluster_address
         from rayhybrid.plan.report import build_plan, format_text
+        from rayhybrid.preflight import load_config
 
         cfg = load_config(overrides)
         placement = None

@@ -24,6 +24,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from rayhybrid.errors import ConfigError
+
 # Environment variables the workers need to reach a store as the driver does. Listed by
 # prefix: every setting of the AWS, Google Cloud and Azure SDKs and clients, and fsspec's own.
 FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCLOUD_", "CLOUDSDK_", "GCE_", "AZURE_", "FSSPEC_")
@@ -224,3 +226,23 @@ def remove_probe(store: Store, marker: str) -> None:
             os.rmdir(os.path.dirname(marker))
     except OSError:
         pass
+
+
+def validate_url(setting: str, url: str) -> None:
+    """A URL's protocol must be one fsspec knows, with its package installed (s3fs for s3://):
+    a one-line `ConfigError` naming `setting` otherwise. A plain path passes."""
+    if "://" not in url:
+        return
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as err:
+        raise ConfigError(
+            setting, f"{redact_url(url)} needs a package that is not installed ({one_line(err)})"
+        ) from None
+    except ValueError:
+        raise ConfigError(
+            setting, f"unknown storage protocol {protocol}:// in {redact_url(url)}; use a path or s3://, gs://, ..."
+        ) from None

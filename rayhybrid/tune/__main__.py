@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from rayhybrid.__main__ import exit_codes
+from rayhybrid.preflight import exit_codes
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,8 +21,8 @@ import ray
 from rayhybrid.config.compose import replace
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
-from rayhybrid.config.validate import validate
 from rayhybrid.errors import ConfigError, RayHybridError, WorkerError
+from rayhybrid.preflight import validate
 from rayhybrid.tune import space
 from rayhybrid.tune.plan import Point, TunePlan
 from rayhybrid.tune.search import PEAK_PREFIX
@@ -317,14 +317,11 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
 
 def tune_main(overrides: list[str], run_dir: str | Path | None = None) -> dict:
     """Compose, validate and tune (the `python -m rayhybrid.tune` entry point, for scripts)."""
-    from rayhybrid.api import _ensure_logging, make_run_dir
-    from rayhybrid.config.compose import compose, to_config
+    from rayhybrid.preflight import ensure_logging, load_run
 
-    node = compose(overrides, return_hydra_config=True)
-    run_dir = Path(run_dir) if run_dir is not None else make_run_dir(Path(str(node.hydra.run.dir)))
-    cfg = dataclasses.replace(to_config(node), run_dir=str(run_dir))
+    cfg = load_run(overrides, run_dir, check=False)
     check_tune(cfg)
-    _ensure_logging()
+    ensure_logging()
     return run_tune(cfg, overrides)
 
 

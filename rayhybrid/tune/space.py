@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from rayhybrid.config.compose import replace
 from rayhybrid.config.schema import Config
-from rayhybrid.config.validate import validate
 from rayhybrid.errors import ConfigError
+from rayhybrid.preflight import validate
 
 TOPOLOGY_FIELDS = ("dp", "pp", "tp", "schedule", "stages_per_rank", "dp_shard")
 

@@ -1,0 +1,116 @@
+"""After a failed call: what is dead, which replica slots are broken and which nodes are lost.
+
+Every worker that still answers leaves its process group; the ones that died, hang or do not
+answer are killed. `drain(group)` is `WorkerGroup.drain`, kept here with its timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayError
+
+from rayhybrid.cluster.placement import dead_nodes, wait_for_node_verdicts
+
+log = logging.getLogger("rayhybrid.cluster.group")
+
+# After a failure, how long the workers still running get to notice it and leave the process
+# group (they normally take well under a second: the failed rank's closed connections wake
+# them; a killed stopped process takes Ray about 5s to end).
+DRAIN_TIMEOUT_S = 30.0
+# How long a worker blocked in a collective gets to answer a ping before it counts as hung.
+PING_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What a failed call left: the ranks whose workers are gone (dead, hung or on a lost
+    node; numbered in the world that failed) and the replica slots they belonged to."""
+
+    dead: frozenset[int]
+    broken: frozenset[int]
+    nodes_lost: frozenset[str]
+    """Nodes of dead workers that the cluster has declared dead."""
+
+
+def drain(group) -> Drained:
+    """After a failed call: every worker that still answers leaves the process group (a
+    worker whose call failed has left already, closing its connections, so the peers
+    blocked on it fail too, in a cascade); the ones that died, hang, or do not answer are
+    killed. Waits (bounded) until the cluster has decided about the nodes of the workers
+    that do not answer: a node that lost power is declared dead only after Ray's health
+    checks, and until then its placement group looks placed."""
+    topo = group.layout.topology
+    workers = group.workers
+    hung = unresponsive(group) if group._hung else set()
+    group._stop([workers[rank] for rank in hung])  # their connections close: blocked peers fail
+    dead = set(hung)
+    resets = {rank: workers[rank].reset.remote() for rank in range(len(workers)) if rank not in dead}
+    done, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=DRAIN_TIMEOUT_S)
+    unreachable = set()
+    for rank, ref in resets.items():
+        if ref not in done:
+            log.warning("rank %d did not leave the process group within %.0fs; replacing it", rank, DRAIN_TIMEOUT_S)
+            unreachable.add(rank)
+            continue
+        try:
+            ray.get(ref)
+        except ActorUnavailableError:  # its process cannot be reached, and Ray does not know why yet
+            unreachable.add(rank)
+        except RayError:
+            dead.add(rank)
+    dead |= unreachable
+    group._stop([workers[rank] for rank in dead - hung])
+    settle(group._inflight)
+    group._inflight = []
+    # The nodes of the workers gone: one that lost power looks alive for a while yet, and
+    # its placement groups placed; a worker started there again would never start.
+    suspects = {group.infos[rank].node_id for rank in dead}
+    nodes_lost = wait_for_node_verdicts(suspects, group.cfg.cluster.placement_timeout_s)
+    nodes_lost |= {group.infos[rank].node_id for rank in dead} & dead_nodes()
+    for rank in dead:
+        slot = group.active[topo.coord(rank).dp]
+        group.replicas[slot][rank % topo.replica_size] = None
+    log.info(
+        "kept %d worker(s), replacing %d (ranks %s)%s",
+        len(workers) - len(dead),
+        len(dead),
+        ",".join(map(str, sorted(dead))) or "none",
+        f"; {len(nodes_lost)} node(s) lost" if nodes_lost else "",
+    )
+    broken = frozenset(group.active[topo.coord(rank).dp] for rank in dead)
+    return Drained(frozenset(dead), broken, frozenset(nodes_lost))
+
+
+def unresponsive(group) -> set[int]:
+    """Ranks whose process does not answer a ping (stopped, wedged, holding the GIL)."""
+    workers = group.workers
+    busy = [rank for rank, ref in enumerate(group._inflight) if not finished(ref)]
+    pings = {rank: workers[rank].ping.remote() for rank in busy}
+    done, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_TIMEOUT_S)
+    silent = set()
+    for rank, ref in pings.items():
+        try:
+            if ref not in done:
+                raise TimeoutError
+            ray.get(ref)
+        except (RayError, TimeoutError):
+            silent.add(rank)
+    return silent
+
+
+def settle(refs: list) -> None:
+    """Collect the outcome of a failed call's refs (all have ended or their actor is gone), so
+    Ray does not report the expected errors as unhandled."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except RayError:
+            pass
+
+
+def finished(ref) -> bool:
+    return bool(ray.wait([ref], timeout=0)[0])

@@ -1,0 +1,212 @@
+"""The driver's checkpoint bookkeeping, in one place: the store, saving (and waiting for an
+upload), the one way a step becomes committed, restoring the latest checkpoint, and the
+storage check of the nodes a run uses.
+
+Every method takes the `RunState` and returns the next one (with `committed`, `uploading`,
+`checked_nodes` or `first_restore` changed); what it records goes to the run log. A step counts
+as committed when its commit marker exists (docs/design.md, invariant 6); `_commit` is where the
+driver learns it, from a save's report or, when that report was lost with a failure, from the
+checkpoint it restores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import ray
+
+from rayhybrid.config.schema import Config
+from rayhybrid.driver.records import Interruption
+from rayhybrid.driver.runlog import RunLog
+from rayhybrid.driver.state import RunState
+from rayhybrid.errors import ConfigError
+from rayhybrid.faults import Injection
+from rayhybrid.storage import checkpoints
+from rayhybrid.storage.store import Store, redact_url
+from rayhybrid.storage.visibility import check_storage
+
+log = logging.getLogger("rayhybrid")
+
+IGNORED_MODEL_FIELDS = ("flavor", "init_from")
+"""Settings that do not change what a checkpoint holds: a run resumed from its own checkpoint
+may drop init_from (the checkpoint has the weights now) or come from another preset name."""
+
+
+class CheckpointLedger:
+    def __init__(self, cfg: Config, store: Store, runlog: RunLog) -> None:
+        self.cfg, self.store, self.log = cfg, store, runlog
+        self.default_dir = not cfg.checkpoint.dir
+        """checkpoint.dir was not given: checkpoints go to the run directory."""
+
+    @property
+    def saving(self) -> bool:
+        """Whether the run writes checkpoints at all (checkpoint.every > 0)."""
+        return self.cfg.checkpoint.every > 0
+
+    def latest(self) -> checkpoints.Checkpoint | None:
+        return checkpoints.latest(self.store)
+
+    def last_good(self, short: bool = False, good: checkpoints.Checkpoint | None = None) -> str:
+        good = good or self.latest()
+        if short:
+            return str(good.path) if good else "the beginning"
+        return f"last good checkpoint: {good.path} (step {good.step})" if good else "no checkpoint yet"
+
+    def check_storage(self, run: RunState, group, slots) -> RunState:
+        """The storage check on the nodes of `slots` not checked yet. A POSIX path is what the
+        driver's own node sees by definition; stores are checked everywhere (the workers'
+        credentials are not the driver's)."""
+        if not self.saving and self.default_dir:
+            return run  # no checkpoint is written, and none can be there to resume
+        nodes = [n for n in group.nodes_of(list(slots)) if n not in run.checked_nodes]
+        if self.store.local:
+            here = ray.get_runtime_context().get_node_id()
+            nodes = [n for n in nodes if n != here]
+        if not nodes:
+            return run
+        check_storage(self.store, nodes, group.env, default=self.default_dir)
+        return run.but(checked_nodes=run.checked_nodes | set(nodes))
+
+    def save(self, run: RunState, step: int, inject: Injection | None) -> RunState:
+        """Save the checkpoint of `step`: written by the time this returns, or uploading (async);
+        records any earlier upload that finished meanwhile. Raises WorkerError."""
+        ck = self.cfg.checkpoint
+        saved = run.group.save(self.store.url, ck.keep, self.cfg.fault.step_timeout_s, inject)
+        run = self.saved(run, saved.pop("finished", []))
+        if not saved["async"]:
+            return self.saved(run, [saved])
+        log.info(
+            "checkpoint step %d: training blocked %.2fs; uploading to %s",
+            step,
+            saved["blocked_s"],
+            redact_url(saved["path"]),
+        )
+        return run.but(uploading=True)
+
+    def wait(self, run: RunState) -> tuple[RunState, dict | None]:
+        """Wait for the upload in flight (if any); the run state and that upload's record."""
+        if not run.uploading:
+            return run, None
+        done = run.group.finished_saves(run.group.start_timeout_s)
+        return self.saved(run, done), (done[-1] if done else None)
+
+    def save_now(self, run: RunState) -> RunState:
+        """The step the run is at, committed before it returns (unless checkpoint.every=0):
+        for a preemption notice or a stop. Raises WorkerError."""
+        run, _ = self.wait(run)
+        if self.saving and run.committed != run.step:
+            run = self.save(run, run.step, None)
+            run, _ = self.wait(run)
+        return run
+
+    def saved(self, run: RunState, records: list[dict]) -> RunState:
+        """Saves that finished: committed ones are checkpoints; failed ones leave the one before
+        as the latest (the next save tries again)."""
+        for r in records:
+            run = run.but(uploading=False)
+            if "error" in r:
+                path = redact_url(r["path"])
+                log.warning("checkpoint step %d failed: %s; %s", r["step"], r["error"], self.last_good())
+                self.log.event({"event": "checkpoint_failed", "step": r["step"], "path": path, "error": r["error"]})
+                continue
+            blocked, upload = round(r["blocked_s"], 3), round(r["upload_s"], 3)
+            how = f"training blocked {blocked:.2f}s, {'upload' if r['async'] else 'of it writing'} {upload:.2f}s"
+            run = self._commit(run, r["step"], r["path"], blocked, upload, r["async"], how)
+        return run
+
+    def _commit(self, run, step, path, blocked, upload, is_async, how) -> RunState:
+        """The one way the driver records step `step` as committed."""
+        path = redact_url(str(path))
+        log.info("checkpoint step %d committed: %s (%s)", step, path, how)
+        self.log.event(
+            {"event": "checkpoint", "step": step, "path": path, "blocked_s": blocked, "upload_s": upload}
+            | {"async": is_async}
+        )
+        return run.but(committed=step)
+
+    def restored(self, run: RunState, ckpt: checkpoints.Checkpoint | None) -> RunState:
+        """Record a checkpoint that this run committed but whose report the driver never had:
+        an asynchronous save's commit is reported with the next step's results, which a failure
+        can take with it. Restoring it is right (it is committed); recording it keeps
+        metrics.jsonl and the summary true to what was saved. Its timings are not known."""
+        step = ckpt.step if ckpt is not None else 0
+        if run.first_restore is None:  # the run's first restore: what it found, not what it saved
+            return run.but(first_restore=step)
+        if step <= max(run.committed or 0, run.first_restore):
+            return run
+        how = "its report was lost with the failure"
+        return self._commit(run, step, ckpt.path, None, None, self.cfg.checkpoint.async_save, how)
+
+    def restore(
+        self, run: RunState, intr: Interruption | None, ckpt: checkpoints.Checkpoint | None
+    ) -> tuple[RunState, Interruption | None]:
+        """Load `ckpt`, the latest checkpoint (if any), into the group; the run state at the
+        step restored, and the interruption with its restore time."""
+        step = 0
+        run = self.restored(run, ckpt)
+        if ckpt is not None:
+            mark = time.perf_counter()
+            step = run.group.load(str(ckpt.path), ckpt.meta)
+            if intr is not None:
+                intr = intr.but(restore_s=intr.restore_s + time.perf_counter() - mark)
+            written, now = ckpt.meta["topology"], run.dp
+            log.info(
+                "resuming from %s (step %d, %d samples consumed%s)",
+                ckpt.path,
+                step,
+                ckpt.meta["consumed_samples"],
+                ""
+                if (written["dp"], written["pp"], written["tp"]) == (now, self.cfg.topology.pp, self.cfg.topology.tp)
+                else f"; written under dp{written['dp']}_pp{written['pp']}_tp{written['tp']}, resharded",
+            )
+            self.log.event({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
+        if intr is not None:
+            intr = intr.but(resume_step=step)
+        self.log.rewind(step)  # steps after it are trained again (a failure before any checkpoint: all)
+        return run.but(step=step), intr
+
+    def best(self) -> str | None:
+        """checkpoint.keep_best: the kept checkpoint with the lowest val_loss, for the summary."""
+        if not self.cfg.checkpoint.keep_best:
+            return None
+        try:
+            best = checkpoints.best(self.store)
+        except OSError as err:  # the store is unreachable: the summary goes without it
+            log.warning("could not look up the best checkpoint: %s", err)
+            return None
+        if best is None:
+            return None
+        path = redact_url(best.path)
+        log.info("best checkpoint: %s (step %d, val_loss %.4f)", path, best.step, best.meta["val_loss"])
+        return path
+
+
+def open_store(url: str, options: dict) -> Store:
+    try:
+        return Store.open(url, options)
+    except ValueError as err:
+        raise ConfigError(
+            "checkpoint.dir", f"{redact_url(url)}: {err}; install the store's fsspec package (e.g. s3fs, gcsfs)"
+        ) from None
+
+
+def check_same_model(ckpt: checkpoints.Checkpoint | None, cfg: Config) -> None:
+    """A checkpoint.dir whose latest checkpoint holds another model cannot be resumed: one line
+    naming the settings that differ (exit 2), not DCP's error about missing keys from a worker."""
+    recorded = (ckpt.meta if ckpt is not None else {}).get("model")
+    if not recorded:
+        return  # no checkpoint, or one written before checkpoints recorded the model
+    now = dataclasses.asdict(cfg.model)
+    differ = [
+        f"model.{k}={recorded[k]!r} there, {now[k]!r} here"
+        for k in now
+        if k in recorded and k not in IGNORED_MODEL_FIELDS and recorded[k] != now[k]
+    ]
+    if differ:
+        raise ConfigError(
+            "checkpoint.dir",
+            f"{redact_url(ckpt.path)} holds another model ({'; '.join(differ)}); "
+            "use the same model settings to resume, or a new checkpoint.dir",
+        )

@@ -1,0 +1,90 @@
+"""Preemption notices: nodes of the run that Ray is draining (a spot node's notice, an
+autoscaler scaling in), polled at most once every `DRAIN_POLL_S`, and moving the replicas off
+them once the step the run is at is checkpointed (the controller saves it first)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from rayhybrid.cluster.group import not_placed_again
+from rayhybrid.cluster.placement import draining_nodes
+from rayhybrid.driver.records import Interruption
+from rayhybrid.driver.state import Failed, Resizing, RunState
+from rayhybrid.errors import RunFailed
+
+log = logging.getLogger("rayhybrid")
+
+DRAIN_POLL_S = 1.0
+
+
+class DrainWatch:
+    def __init__(self, cfg, scaling, ledger, poll_s: float = DRAIN_POLL_S) -> None:
+        self.cfg, self.scaling, self.ledger = cfg, scaling, ledger
+        self.poll_s = poll_s
+        self.next_poll = 0.0  # the rate limit's own memory, not the run's state
+
+    def notice(self, group, slots, evacuated: frozenset[str]) -> dict[str, float]:
+        """Nodes of the replicas in `slots` being drained and not moved off yet: node id ->
+        seconds left to the deadline (inf: none given). {} between polls."""
+        now = time.monotonic()
+        if now < self.next_poll:
+            return {}
+        self.next_poll = now + self.poll_s
+        draining = draining_nodes()
+        if not draining:
+            return {}
+        ours = set(group.nodes_of(list(slots))) - evacuated
+        return {n: (d / 1000 - time.time() if d else math.inf) for n, d in draining.items() if n in ours}
+
+    @staticmethod
+    def announce(notice: dict[str, float], step: int) -> None:
+        node, left = min(notice.items(), key=lambda kv: kv[1])
+        log.warning(
+            "node %s is being drained (preemption; %s): checkpointing step %d and moving off it",
+            node[:8],
+            f"{left:.0f}s to its deadline" if math.isfinite(left) else "no deadline",
+            step,
+        )
+
+    def evacuate(self, run: RunState, notice: dict[str, float], since: float) -> Resizing | Failed:
+        """The step the run is at is checkpointed: move the replicas off the draining nodes
+        before their deadline (elastic: go on with the others; fixed: wait for room elsewhere,
+        up to cluster.placement_timeout_s). No step is trained twice. If the node goes first,
+        the next step fails and recovery takes over."""
+        node, left = min(notice.items(), key=lambda kv: kv[1])
+        run, saved = run.but(evacuated=run.evacuated | set(notice)), run.committed or 0
+        self.ledger.log.event(
+            {"event": "preemption", "node": node, "deadline_s": round(left, 3) if math.isfinite(left) else None}
+            | {"saved_step": saved, "lost_steps": run.step - saved}
+        )
+        bad = slots_on(run.group, run.slots, notice)
+        run.group.replace(bad)
+        slots = self.scaling.on_loss(list(run.slots), set(bad)) if self.scaling.elastic else []
+        mark = time.perf_counter()
+        if not slots:  # a fixed-size run, or too few replicas left: wait for room elsewhere
+            wait_s = self.cfg.cluster.placement_timeout_s
+            lost = run.group.wait_placed(bad, wait_s)
+            if lost:
+                why = why_not_placed(self.scaling, run.dp, lost, wait_s)
+                return Failed(run, RunFailed(f"{why}; {self.ledger.last_good()}"))
+            slots = list(run.slots)
+        place_s, cause = time.perf_counter() - mark, f"node {node[:8]} preempted"
+        intr = Interruption("preempt", cause, run.step, run.dp, save_s=mark - since, since=since, place_s=place_s)
+        return Resizing(run, tuple(slots), intr)
+
+
+def slots_on(group, slots, nodes) -> list[int]:
+    """The replica slots among `slots` with a worker on one of `nodes`."""
+    return [slot for slot in slots if set(group.nodes_of([slot])) & set(nodes)]
+
+
+def why_not_placed(scaling, dp: int, lost: set[int], wait_s: float) -> str:
+    """Why the run cannot go on after `lost` replica slots were not placed again."""
+    if not scaling.elastic:
+        return not_placed_again(len(lost), wait_s)
+    return (
+        f"{dp - len(lost)} replica(s) left after losing {len(lost)}, below elastic.min_dp={scaling.min_dp}; "
+        "add nodes or lower elastic.min_dp"
+    )

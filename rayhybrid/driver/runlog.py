@@ -1,0 +1,267 @@
+"""The one writer of a run's outputs: metrics.jsonl, the step lines and progress bar,
+workers.json and summary.json, and the experiment trackers, which get every record too.
+
+    log = RunLog(cfg, checkpoint_dir, observer)   # <run dir>/metrics.jsonl
+    log.step(metrics)                             # one optimizer step (a dict from the workers)
+    log.event(record)                             # checkpoint, resume, fault_injected, preemption, ...
+    log.interruption(interruption)                # a restart or resize, once its first step is done
+    log.close("completed", restarts=1, ...)       # summary.json
+
+The summary (`RunSummary`) is folded from the records written here and completed at close from
+the driver's final run state: the driver's states never write it. A step trained again after a
+recovery replaces its earlier record (`rewind`), so every step appears once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import Layout
+from rayhybrid.driver.records import Interruption, RunSummary, StepMetrics
+
+log = logging.getLogger("rayhybrid")
+
+
+class ProgressBar:
+    """A one-line bar redrawn on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int, stream=None) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+        self.text = ""
+
+    def update(self, done: int, loss: float, eta_s: float) -> None:
+        width = 30
+        filled = int(width * done / max(1, self.total))
+        self.text = (
+            f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} loss {loss:.4f} eta {duration(eta_s)}"
+        )
+        self.draw()
+
+    def draw(self) -> None:
+        if self.enabled and self.text:
+            self.stream.write("\r\033[K" + self.text)
+            self.stream.flush()
+
+    def clear(self) -> None:
+        if self.enabled and self.text:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class RunLog:
+    """metrics.jsonl, step lines, progress bar, workers.json and summary.json for one run
+    directory: the only writer of these files."""
+
+    def __init__(self, cfg: Config, checkpoint_dir: str = "", observer=None) -> None:
+        self.cfg = cfg
+        self.dir = Path(cfg.run_dir or ".").resolve()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.metrics_file = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 - open for the run
+        self.bar = ProgressBar(cfg.train.steps)
+        self.history: list[StepMetrics] = []
+        self.started = time.perf_counter()
+        self.observer = observer
+        """Adds FLOP/s and MFU to each step and the figures at close (rayhybrid.driver.observe)."""
+        self.trackers = None
+        """Experiment trackers (rayhybrid.tracking.Trackers) that get every record too."""
+        self.summary = RunSummary(
+            topology={**dataclasses.asdict(cfg.topology), **Layout.of(cfg).summary()},
+            model=dataclasses.asdict(cfg.model),
+            data={"name": cfg.data.name, "seq_len": cfg.data.seq_len},
+            global_batch_size=cfg.train.global_batch_size,
+            micro_batch_size=cfg.train.micro_batch_size,
+            run_dir=str(self.dir),
+            checkpoint_dir=checkpoint_dir,
+        )
+
+    def step(self, metrics: StepMetrics) -> StepMetrics:
+        """Record one step (after the observer's figures); returns the record."""
+        if self.observer is not None:
+            metrics = self.observer.step(metrics)
+        metrics["time"] = time.time()  # wall clock when the driver had the step (for step-to-step intervals)
+        self.history.append(metrics)
+        self._write(metrics)
+        if self.trackers is not None:
+            self.trackers.step(metrics)
+        step, total = metrics["step"], self.cfg.train.steps
+        if step % self.cfg.train.log_every == 0 or step == total or step == 1 or metrics.get("val_loss") is not None:
+            self.bar.clear()
+            log.info(step_line(metrics, total))
+        eta = (time.perf_counter() - self.started) / max(1, len(self.history)) * (total - step)
+        self.bar.update(step, metrics["loss"], eta)
+        return metrics
+
+    def event(self, record: dict) -> None:
+        """A non-step record (has an "event" key); the summary folds it in."""
+        self._write(record)
+        self.summary.record(record)
+        if self.trackers is not None:
+            self.trackers.event(record)
+
+    def interruption(self, intr: Interruption) -> None:
+        """A restart or resize whose first step is done: its records."""
+        if intr.kind == "restart":
+            self.event(intr.restart_record())
+            log.warning(
+                "recovered from the failure at step %d in %.1fs (teardown %.1fs, place %.1fs, init %.1fs, "
+                "restore %.1fs, first step %.1fs)",
+                intr.step,
+                intr.total_s,
+                intr.teardown_s,
+                intr.place_s,
+                intr.init_s,
+                intr.restore_s,
+                intr.first_step_s,
+            )
+        if intr.dp_after != intr.dp_before:
+            record = intr.resize_record()
+            self.event(record)
+            log.warning(
+                "resized dp %d -> %d (%s): %.1fs from the last step before to the first step after",
+                intr.dp_before,
+                intr.dp_after,
+                record["cause"],
+                intr.total_s,
+            )
+
+    def workers(self, cfg: Config, placement: list[dict], pids: list[int], first: dict) -> None:
+        """The workers as they describe themselves, once they are (re)started: workers.json, and
+        the summary's topology and workers."""
+        self.write_json("workers.json", [{**p, "pid": pid} for p, pid in zip(placement, pids)])
+        self.summary.topology.update(Layout.of(cfg).summary())
+        self.summary.workers = {
+            "placement": placement,
+            "device_name": first["device_name"],
+            "backend": first["backend"],
+            "device": first["device"],
+            "params": first["model_params"],
+            "loss_floor": first["loss_floor"],
+        }
+        if self.observer is not None:
+            self.observer.started(placement, first["device_name"])
+
+    def started_up(self, workers: int) -> None:
+        """The first start is done: the start-up time, and a line saying so (once a run)."""
+        s = self.summary
+        if s.startup_s is not None:
+            return
+        s.startup_s = round(time.perf_counter() - self.started, 3)
+        floor = s.workers["loss_floor"]
+        log.info(
+            "started %d workers in %.1fs; %s parameters; run dir %s%s",
+            workers,
+            s.startup_s,
+            f"{s.workers['params']:,}",
+            self.dir,
+            f"; data loss floor {floor:.4f}" if floor is not None else "",
+        )
+
+    def rewind(self, step: int) -> None:
+        """Forget steps after `step` (they will be trained again from a checkpoint), in memory
+        and in metrics.jsonl, so every step appears once with the values that count."""
+        self.history = [m for m in self.history if m["step"] <= step]
+        self.metrics_file.close()
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            record = json.loads(line)
+            if "event" in record or record["step"] <= step:
+                kept.append(line)
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.metrics_path)
+        self.metrics_file = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 - open for the run
+
+    def write_json(self, name: str, data, indent: int = 1) -> None:
+        """A JSON file in the run directory, replaced atomically (workers.json, summary.json)."""
+        path = self.dir / name
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=indent) + "\n")
+        os.replace(tmp, path)
+
+    def close(self, status: str, error: str | None = None, **final) -> dict:
+        """summary.json, with how the run ended and what the driver's final run state says
+        (`restarts`, `train_s`, `best_checkpoint`); the observer's figures; the trackers closed."""
+        s = self.summary
+        s.status, s.error = status, error
+        for name, value in final.items():
+            setattr(s, name, value)
+        s.finish(self.history)
+        s.wall_s = round(time.perf_counter() - self.started, 3)
+        figures = s.to_dict()
+        if self.observer is not None:
+            before = set(figures)
+            self.observer.close(figures, self.history)  # adds FLOP/s, MFU, bubble, memory, plots
+            s.figures = {k: v for k, v in figures.items() if k not in before}
+        self.bar.clear()
+        self.metrics_file.close()
+        data = s.to_dict()
+        self.write_json("summary.json", data, indent=2)
+        if self.trackers is not None:
+            self.trackers.close(data)
+        return data
+
+    def _write(self, record: dict) -> None:
+        self.metrics_file.write(json.dumps(record) + "\n")
+
+
+def step_line(metrics: StepMetrics, total: int) -> str:
+    """The line a step prints: loss, lr, gradient norm, throughput, time, and what was measured."""
+    extra = (f" | val_loss {metrics['val_loss']:.4f}" if metrics.get("val_loss") is not None else "") + "".join(
+        f" | {name} {metrics[key]:.1%}"
+        for key, name in (("mfu", "MFU"), ("bubble", "bubble"))
+        if metrics.get(key) is not None
+    )
+    return (
+        f"step {metrics['step']:{len(str(total))}d}/{total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+        f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
+        f"{metrics['step_time_s']:.2f}s/step{extra}"
+    )
+
+
+def announce(cfg: Config, scaling, use_gpu: bool) -> None:
+    """The run's first lines: its layout (and, elastic, the replicas it may use)."""
+    t, layout = cfg.topology, Layout.of(cfg)
+    usable, elastic = scaling.usable, scaling.elastic
+    if elastic:
+        low, high = cfg.elastic.dp_range(t.dp)
+        skipped = [d for d in range(low, high + 1) if d not in usable]
+        tr = cfg.train
+        log.info(
+            "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s",
+            scaling.min_dp,
+            usable[-1],
+            t.pp,
+            t.tp,
+            ", ".join(map(str, usable)),
+            f" (dp {', '.join(map(str, skipped))} cannot split global batch {tr.global_batch_size} into "
+            f"micro-batches of {tr.micro_batch_size}; the run uses the largest usable dp it can place)"
+            if skipped
+            else "",
+        )
+    log.info(
+        "rayhybrid: %s ranks = dp %s x pp %d x tp %d (%s, %s, %s micro-batches of %d) on %s",
+        "elastic" if elastic else layout.world_size,
+        f"{scaling.min_dp}..{usable[-1]}" if elastic else t.dp,
+        t.pp,
+        t.tp,
+        t.schedule if t.pp > 1 else "no pipeline",
+        "FSDP2" if t.dp_shard else "replicated dp",
+        "G/(dp x mb)" if elastic else layout.num_microbatches,
+        cfg.train.micro_batch_size,
+        "GPU" if use_gpu else "CPU",
+    )

@@ -1,0 +1,146 @@
+"""The house rules of docs/design.md ("Layers and what each owns"), read from the source: each
+package imports only floors below its own, the package root keeps only the public entry
+points, no class is over 300 lines and no function over 60, and validating a config never
+imports torch. `python tests/test_house.py` prints the figures."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rayhybrid"
+
+FLOORS = {
+    "rayhybrid.errors": 0,
+    "rayhybrid.config": 1,
+    "rayhybrid.parallel": 2,
+    "rayhybrid.storage": 2,
+    "rayhybrid.faults": 2,
+    "rayhybrid.data": 2,
+    "rayhybrid.models": 3,
+    "rayhybrid.tracking": 3,
+    "rayhybrid.trainer": 4,
+    "rayhybrid.cluster": 5,
+    "rayhybrid.driver": 6,
+    "rayhybrid.plan": 6,
+    "rayhybrid.preflight": 7,
+    "rayhybrid.tune": 8,
+    "rayhybrid.export": 8,
+    "rayhybrid.plan.__main__": 9,
+    "rayhybrid.api": 9,
+    "rayhybrid.__main__": 9,
+    "rayhybrid": 10,
+}
+"""The floor of each room (a package or a root module; the longest matching name wins). An
+import goes to a lower floor, or stays in its own room; two rooms on one floor never import
+each other. The trainer, models and parallel code sit below the cluster, so they never see Ray;
+configuration sits on the ground floor with the errors, so it imports no concern."""
+
+ROOT_MODULES = {"__init__.py", "__main__.py", "api.py", "errors.py", "preflight.py"}
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(module: str) -> str:
+    candidates = [name for name in FLOORS if module == name or module.startswith(name + ".")]
+    assert candidates, f"{module} belongs to no room of FLOORS: give its package a floor"
+    return max(candidates, key=len)
+
+
+def internal_imports(path: Path) -> set[str]:
+    """The rayhybrid modules `path` imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("rayhybrid"):
+            if node.module == "rayhybrid":
+                found.update(f"rayhybrid.{alias.name}" for alias in node.names)
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("rayhybrid"))
+    return found
+
+
+def sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def arrows_up() -> list[str]:
+    bad = []
+    for path in sources():
+        here = room(module_name(path))
+        for target in internal_imports(path):
+            there = room(target)
+            if there != here and FLOORS[there] >= FLOORS[here]:
+                bad.append(f"{module_name(path)} -> {target} ({here} floor {FLOORS[here]}, {there} floor {FLOORS[there]})")
+    return sorted(bad)
+
+
+def spans() -> list[tuple[int, str, str]]:
+    """(lines, kind, where) of every class and function in the package."""
+    out = []
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                kind = "class" if isinstance(node, ast.ClassDef) else "function"
+                out.append((node.end_lineno - node.lineno + 1, kind, f"{path.relative_to(PACKAGE.parent)}:{node.name}"))
+    return out
+
+
+def test_no_import_runs_up_the_layers():
+    assert arrows_up() == []
+
+
+def test_the_root_keeps_only_the_public_entry_points():
+    assert {p.name for p in PACKAGE.glob("*.py")} == ROOT_MODULES
+
+
+def test_configuration_imports_nothing_above_it():
+    for path in (PACKAGE / "config").glob("*.py"):
+        for target in internal_imports(path):
+            assert target == "rayhybrid.errors" or target.startswith("rayhybrid.config"), f"{path.name} -> {target}"
+
+
+def test_no_class_over_300_and_no_function_over_60_lines():
+    too_long = [
+        f"{where}: {lines} lines"
+        for lines, kind, where in spans()
+        if lines > (MAX_CLASS_LINES if kind == "class" else MAX_FUNCTION_LINES)
+    ]
+    assert too_long == []
+
+
+def test_validation_never_imports_torch(tmp_path):
+    """A config with data.val_fraction used to load the trainer's data module (and torch) to
+    find the held-out cut; `python -m rayhybrid.plan` promises not to import torch."""
+    (tmp_path / "book.txt").write_text("a few words of text " * 200)
+    code = (
+        "import sys\n"
+        "from rayhybrid.preflight import load_config\n"
+        f"cfg = load_config(['data=text', 'data.path={tmp_path / 'book.txt'}', 'data.val_fraction=0.1', 'eval.every=5'])\n"
+        "assert cfg.data.val_fraction == 0.1\n"
+        "assert 'torch' not in sys.modules, 'validation imported torch'\n"
+        "assert 'ray' not in sys.modules, 'validation imported ray'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+if __name__ == "__main__":
+    figures = spans()
+    classes = sorted((s for s in figures if s[1] == "class"), reverse=True)[:3]
+    functions = sorted((s for s in figures if s[1] == "function"), reverse=True)[:3]
+    modules = sorted(((len(p.read_text().splitlines()), str(p.relative_to(PACKAGE.parent))) for p in sources()))
+    print(f"arrows up: {len(arrows_up())}")
+    print("largest classes:", ", ".join(f"{w} {n}" for n, _, w in classes))
+    print("largest functions:", ", ".join(f"{w} {n}" for n, _, w in functions))
+    print("largest modules:", ", ".join(f"{w} {n}" for n, w in modules[-3:]))
+    print(f"root modules: {sorted(p.name for p in PACKAGE.glob('*.py'))}")
