@@ -9,11 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+from rayhybrid.config.topology import SCHEDULES as SCHEDULE_TABLE
+
+SCHEDULES = tuple(SCHEDULE_TABLE)
 """Pipeline schedules, by config name. `interleaved_zb` and `zbv` are zero-bubble schedules."""
 
 DTYPES = ("float32", "bfloat16")
-DATA_KINDS = ("synthetic", "text", "tokens")
+
+
+def every_n(every: int, step: int, steps: int) -> bool:
+    """An `every` setting: due after every `every`-th step and after the last (0: never)."""
+    return every > 0 and (step % every == 0 or step == steps)
 
 
 @dataclass(frozen=True)
@@ -184,7 +190,12 @@ class CheckpointConfig:
 
     def due(self, step: int, steps: int) -> bool:
         """Whether a checkpoint is saved after `step` of a run of `steps` steps."""
-        return self.every > 0 and (step % self.every == 0 or step == steps)
+        return every_n(self.every, step, steps)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run writes checkpoints at all (checkpoint.every=0: never)."""
+        return self.every > 0
 
 
 @dataclass(frozen=True)
@@ -235,7 +246,7 @@ class EvalConfig:
 
     def due(self, step: int, steps: int) -> bool:
         """Whether the held-out loss is evaluated after `step` of a run of `steps` steps."""
-        return self.every > 0 and (step % self.every == 0 or step == steps)
+        return every_n(self.every, step, steps)
 
 
 @dataclass(frozen=True)

@@ -88,13 +88,40 @@ def num_microbatches(global_batch_size: int, dp: int, micro_batch_size: int) -> 
     return per_replica
 
 
-V_SHAPED = ("zbv",)
-"""Schedules that place a rank's two stages in a V (the first and the last stage on rank 0)."""
+@dataclass(frozen=True)
+class Schedule:
+    """What the layout needs to know of a pipeline schedule (`topology.schedule`)."""
+
+    stages_per_rank: int | None
+    """The stages each pipeline rank holds: exactly this many, or None for any number."""
+    v_shaped: bool = False
+    """A rank's two stages sit in a V (the first and the last stage on rank 0)."""
+    zero_bubble: bool = False
+    """The backward pass is split into input and weight gradients (zero-bubble schedules)."""
+
+    @property
+    def default_stages_per_rank(self) -> int:
+        """The stages per rank a search tries first: the fixed number, else 2."""
+        return self.stages_per_rank or 2
+
+
+SCHEDULES: dict[str, Schedule] = {
+    "gpipe": Schedule(stages_per_rank=1),
+    "1f1b": Schedule(stages_per_rank=1),
+    "interleaved_1f1b": Schedule(stages_per_rank=None),
+    "interleaved_zb": Schedule(stages_per_rank=None, zero_bubble=True),
+    "zbv": Schedule(stages_per_rank=2, v_shaped=True, zero_bubble=True),
+}
+"""The one table of the schedules rayhybrid runs (torch.distributed.pipelining's), in the order
+the tuner tries them."""
+V_SHAPED = tuple(name for name, s in SCHEDULES.items() if s.v_shaped)
+MULTI_STAGE = tuple(name for name, s in SCHEDULES.items() if s.stages_per_rank != 1)
+"""Schedules whose ranks hold more than one stage (torch's multi-stage runtime schedules)."""
 
 
 def stage_style(schedule: str) -> str:
     """How stages are assigned to pipeline ranks: `v` for V-shaped schedules, else `loop`."""
-    return "v" if schedule in V_SHAPED else "loop"
+    return "v" if SCHEDULES[schedule].v_shaped else "loop"
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,13 @@ package once it can see the cluster.
 
 from __future__ import annotations
 
-from rayhybrid.config.schema import DATA_KINDS, DTYPES, SCHEDULES, Config
+from rayhybrid.config.schema import DTYPES, SCHEDULES, Config
+from rayhybrid.config.topology import SCHEDULES as SCHEDULE_TABLE
 from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError
 
 DECAYS = ("cosine", "linear", "constant")
-MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
+NUMBERS = {2: "two", 3: "three", 4: "four"}
 
 
 def _positive(cfg: Config) -> None:
@@ -54,26 +55,24 @@ def _choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def validate(cfg: Config) -> None:
-    t, m, d, tr = cfg.topology, cfg.model, cfg.data, cfg.train
+    t, m, tr = cfg.topology, cfg.model, cfg.train
     _positive(cfg)
     _choice("topology.schedule", t.schedule, SCHEDULES)
     _choice("topology.loss_parallel", str(t.loss_parallel).lower(), ("auto", "true", "false"))
     _choice("train.dtype", tr.dtype, DTYPES)
     _choice("train.decay", tr.decay, DECAYS)
-    _choice("data.name", d.name, DATA_KINDS)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
 
     virtual = Layout.of(cfg).virtual_stages
-    if t.pp > 1 and t.schedule in ("gpipe", "1f1b") and t.stages_per_rank != 1:
+    fixed = SCHEDULE_TABLE[t.schedule].stages_per_rank
+    if t.pp > 1 and fixed is not None and t.stages_per_rank != fixed:
         raise ConfigError(
             "topology.stages_per_rank",
             f"schedule {t.schedule} runs one stage per rank; set topology.stages_per_rank=1 "
-            f"or topology.schedule=interleaved_1f1b",
-        )
-    if t.pp > 1 and t.schedule == "zbv" and t.stages_per_rank != 2:
-        raise ConfigError(
-            "topology.stages_per_rank",
-            "schedule zbv places exactly two stages per rank; set topology.stages_per_rank=2",
+            f"or topology.schedule=interleaved_1f1b"
+            if fixed == 1
+            else f"schedule {t.schedule} places exactly {NUMBERS.get(fixed, fixed)} stages per rank; "
+            f"set topology.stages_per_rank={fixed}",
         )
     stages = Layout.of(cfg).num_stages
     if stages > m.n_layers:
@@ -91,28 +90,11 @@ def validate(cfg: Config) -> None:
 
 
 def _held_out(cfg: Config) -> None:
-    """eval.*, data.val_path / data.val_fraction and checkpoint.keep_best agree, and each
-    stream evaluation or training reads holds at least one window."""
+    """data.val_fraction is a fraction, and checkpoint.keep_best has a held-out loss at every
+    checkpoint (the data's own held-out checks are `rayhybrid.data.sources.validate_data`'s)."""
     d, ev, ck = cfg.data, cfg.eval, cfg.checkpoint
     if not 0 <= d.val_fraction < 1:
         raise ConfigError("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}; e.g. data.val_fraction=0.01")
-    if d.name == "synthetic":
-        for name, value in (("val_path", d.val_path), ("val_fraction", d.val_fraction)):
-            if value:
-                raise ConfigError(
-                    f"data.{name}",
-                    f"synthetic data holds out a stream of its own (an independent seed); remove data.{name}",
-                )
-    elif d.val_path and d.val_fraction:
-        raise ConfigError(
-            "data.val_fraction", "data.val_path is the held-out data already; set data.val_path or data.val_fraction"
-        )
-    elif ev.every and not (d.val_path or d.val_fraction):
-        raise ConfigError(
-            "eval.every",
-            f"evaluation needs held-out data for data={d.name}: set data.val_path=<{d.name} not trained on> "
-            "or data.val_fraction=0.01 (the tail of data.path), or eval.every=0",
-        )
     if ck.keep_best:
         if not ev.every:
             raise ConfigError("checkpoint.keep_best", "needs a held-out loss to compare: set eval.every=N")

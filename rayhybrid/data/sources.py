@@ -10,12 +10,31 @@ from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 
 from rayhybrid.config.schema import Config, DataConfig
 from rayhybrid.errors import ConfigError
 
-FILE_KINDS = ("text", "tokens")
-"""The data kinds read from data.path (synthetic data is generated)."""
+
+@dataclass(frozen=True)
+class DataKind:
+    """What the checks and the streams need to know of one `data.name`."""
+
+    reads_path: bool
+    """data.path names the data to read (else the data is generated, with a held-out stream
+    of its own)."""
+    byte_level: bool = False
+    """Token ids are bytes: the model needs model.vocab_size >= 256."""
+    matches: str = "file"
+    """What data.path and data.val_path must match, for the messages."""
+
+
+KINDS = {
+    "synthetic": DataKind(reads_path=False),
+    "text": DataKind(reads_path=True, byte_level=True, matches="text file"),
+    "tokens": DataKind(reads_path=True),
+}
+"""The one registry of data kinds (`data.name`); `streams.py` reads each the way it says."""
 
 
 def text_files(path: str) -> list[str]:
@@ -38,7 +57,7 @@ def token_count(d: DataConfig, path: str) -> int | None:
     """Tokens in `path` as data.name reads it (text: bytes, with a separator between files);
     None when there is nothing there, or nothing readable (the workers say what is wrong when
     they open it). Counted without reading the data: file sizes, a .npy header."""
-    if d.name == "text":
+    if KINDS[d.name].byte_level:
         files = text_files(path)
         return sum(os.path.getsize(f) for f in files) + len(files) - 1 if files else None
     import numpy as np
@@ -55,23 +74,51 @@ def token_count(d: DataConfig, path: str) -> int | None:
 
 
 def validate_data(cfg: Config) -> None:
-    """The data files exist and fit the model; each stream the run reads holds a window."""
+    """data.name is known, the data files exist and fit the model, the held-out settings
+    agree, and each stream the run reads holds a window."""
     d, m = cfg.data, cfg.model
-    if d.name == "text" and m.vocab_size < 256:
+    if d.name not in KINDS:
+        raise ConfigError("data.name", f"unknown value {d.name!r}; choose one of: {', '.join(KINDS)}")
+    kind = KINDS[d.name]
+    if kind.byte_level and m.vocab_size < 256:
         raise ConfigError(
-            "model.vocab_size", f"text data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}"
+            "model.vocab_size", f"{d.name} data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}"
         )
-    if d.name in FILE_KINDS:
+    if kind.reads_path:
         if not d.path:
             raise ConfigError("data.path", f"data={d.name} needs data.path=<file, directory or glob>")
-        if d.name == "tokens" and not os.path.isfile(os.path.expanduser(d.path)):
+        if not kind.byte_level and not os.path.isfile(os.path.expanduser(d.path)):
             raise ConfigError("data.path", f"token file {d.path!r} does not exist")
-        if d.name == "text" and not text_files(d.path):
+        if kind.byte_level and not text_files(d.path):
             raise ConfigError(
                 "data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob"
             )
-        if d.val_path or d.val_fraction:
-            _windows(d)
+    _held_out(cfg, kind)
+    if kind.reads_path and (d.val_path or d.val_fraction):
+        _windows(d)
+
+
+def _held_out(cfg: Config, kind: DataKind) -> None:
+    """Generated data holds out a stream of its own; data read from data.path needs held-out
+    data of one kind (data.val_path or data.val_fraction) when the run evaluates."""
+    d = cfg.data
+    if not kind.reads_path:
+        for name, value in (("val_path", d.val_path), ("val_fraction", d.val_fraction)):
+            if value:
+                raise ConfigError(
+                    f"data.{name}",
+                    f"{d.name} data holds out a stream of its own (an independent seed); remove data.{name}",
+                )
+    elif d.val_path and d.val_fraction:
+        raise ConfigError(
+            "data.val_fraction", "data.val_path is the held-out data already; set data.val_path or data.val_fraction"
+        )
+    elif cfg.eval.every and not (d.val_path or d.val_fraction):
+        raise ConfigError(
+            "eval.every",
+            f"evaluation needs held-out data for data={d.name}: set data.val_path=<{d.name} not trained on> "
+            "or data.val_fraction=0.01 (the tail of data.path), or eval.every=0",
+        )
 
 
 def _windows(d: DataConfig) -> None:
@@ -82,8 +129,8 @@ def _windows(d: DataConfig) -> None:
     if d.val_path:
         held = token_count(d, d.val_path)
         if held is None:
-            what = "no text file" if d.name == "text" else "no file"
-            raise ConfigError("data.val_path", f"{d.val_path!r} matches {what}; give held-out data like data.path's")
+            what = KINDS[d.name].matches
+            raise ConfigError("data.val_path", f"{d.val_path!r} matches no {what}; give held-out data like data.path's")
         if held < need:
             raise ConfigError(
                 "data.val_path",

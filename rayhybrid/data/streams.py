@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rayhybrid.config.schema import DataConfig
-from rayhybrid.data.sources import split_point, text_files
+from rayhybrid.data.sources import KINDS, split_point, text_files
 
 HELD_OUT = 0x4E1D
 """Mixed into the seed of every held-out sample (`held_out`): a stream independent of training's."""
@@ -118,7 +118,7 @@ class WindowStream(SampleStream):
 def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
     """The training stream. With data.val_fraction, text and token data train on the head of
     data.path's tokens only (the tail is `build_held_out`'s)."""
-    if cfg.name == "synthetic":
+    if not KINDS[cfg.name].reads_path:
         return MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
     tokens = _tokens(cfg, cfg.path, "data.path")
     if cfg.val_path or cfg.val_fraction <= 0:
@@ -132,7 +132,7 @@ def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStr
     """The held-out stream evaluation reads: synthetic data's independent stream of the same
     chain (`train`'s, when given: no second chain to build), data.val_path's tokens, or the tail
     data.val_fraction of data.path's."""
-    if cfg.name == "synthetic":
+    if not KINDS[cfg.name].reads_path:
         chain = train if isinstance(train, MarkovStream) else MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
         return chain.held_out()
     if cfg.val_path:
@@ -150,19 +150,27 @@ def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStr
 def _tokens(cfg: DataConfig, path: str, setting: str) -> np.ndarray:
     """`path` (data.path or data.val_path, named by `setting`) as one token array: text as
     bytes, tokens as ids."""
-    if cfg.name == "text":
-        files = text_files(path)
-        if not files:
-            raise ValueError(
-                f"{setting}={path!r} matches no text file; point it at a file, a directory of *.txt or a glob"
-            )
-        blob = b"\n".join(Path(f).read_bytes() for f in files)
-        return np.frombuffer(blob, dtype=np.uint8)
-    if cfg.name == "tokens":
-        if path.endswith(".npy"):
-            return np.load(os.path.expanduser(path), mmap_mode="r")
-        return np.memmap(os.path.expanduser(path), dtype=np.dtype(cfg.token_dtype), mode="r")
-    raise ValueError(f"data.name={cfg.name!r} is unknown; use synthetic, text or tokens")
+    if cfg.name not in READERS:
+        raise ValueError(f"data.name={cfg.name!r} is unknown; use {', '.join(KINDS)}")
+    return READERS[cfg.name](cfg, path, setting)
+
+
+def _text_bytes(cfg: DataConfig, path: str, setting: str) -> np.ndarray:
+    files = text_files(path)
+    if not files:
+        raise ValueError(f"{setting}={path!r} matches no text file; point it at a file, a directory of *.txt or a glob")
+    blob = b"\n".join(Path(f).read_bytes() for f in files)
+    return np.frombuffer(blob, dtype=np.uint8)
+
+
+def _token_ids(cfg: DataConfig, path: str, setting: str) -> np.ndarray:
+    if path.endswith(".npy"):
+        return np.load(os.path.expanduser(path), mmap_mode="r")
+    return np.memmap(os.path.expanduser(path), dtype=np.dtype(cfg.token_dtype), mode="r")
+
+
+READERS = {"text": _text_bytes, "tokens": _token_ids}
+"""How each kind of `KINDS` that reads data.path turns a path into token ids."""
 
 
 @dataclass(frozen=True)

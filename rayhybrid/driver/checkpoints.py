@@ -40,11 +40,6 @@ class CheckpointLedger:
         self.default_dir = not cfg.checkpoint.dir
         """checkpoint.dir was not given: checkpoints go to the run directory."""
 
-    @property
-    def saving(self) -> bool:
-        """Whether the run writes checkpoints at all (checkpoint.every > 0)."""
-        return self.cfg.checkpoint.every > 0
-
     def latest(self) -> checkpoints.Checkpoint | None:
         return checkpoints.latest(self.store)
 
@@ -58,10 +53,10 @@ class CheckpointLedger:
         """The storage check on the nodes of `slots` not checked yet. A POSIX path is what the
         driver's own node sees by definition; stores are checked everywhere (the workers'
         credentials are not the driver's)."""
-        if not self.saving and self.default_dir:
+        if not self.cfg.checkpoint.enabled and self.default_dir:
             return run  # no checkpoint is written, and none can be there to resume
         nodes = [n for n in group.nodes_of(list(slots)) if n not in run.checked_nodes]
-        if self.store.local:
+        if nodes and self.store.local:
             here = ray.get_runtime_context().get_node_id()
             nodes = [n for n in nodes if n != here]
         if not nodes:
@@ -96,7 +91,7 @@ class CheckpointLedger:
         """The step the run is at, committed before it returns (unless checkpoint.every=0):
         for a preemption notice or a stop. Raises WorkerError."""
         run, _ = self.wait(run)
-        if self.saving and run.committed != run.step:
+        if self.cfg.checkpoint.enabled and run.step > 0 and run.committed != run.step:
             run = self.save(run, run.step, None)
             run, _ = self.wait(run)
         return run

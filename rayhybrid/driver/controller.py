@@ -22,7 +22,7 @@ import ray
 
 from rayhybrid.cluster.connect import connect, resolve_shape
 from rayhybrid.cluster.group import WorkerGroup
-from rayhybrid.cluster.placement import check_capacity, draining_nodes
+from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config, with_dp
 from rayhybrid.config.topology import Layout
 from rayhybrid.driver.checkpoints import CheckpointLedger, check_same_model, open_store
@@ -246,7 +246,7 @@ class Controller:
         """After the teardown: wait for the broken replicas to be placed again (elsewhere, if
         their node is draining), rebuild on the slots the scaling policy keeps, restore."""
         group, mark = run.group, time.perf_counter()
-        draining = set(draining_nodes())
+        draining = self.drains.draining()
         moving = slots_on(group, drained.broken, draining)
         if moving:  # replicas that lost workers on a node being drained go elsewhere
             group.replace(moving)

@@ -39,6 +39,11 @@ class DrainWatch:
         return {n: (d / 1000 - time.time() if d else math.inf) for n, d in draining.items() if n in ours}
 
     @staticmethod
+    def draining() -> set[str]:
+        """Every node Ray is draining now."""
+        return set(draining_nodes())
+
+    @staticmethod
     def announce(notice: dict[str, float], step: int) -> None:
         node, left = min(notice.items(), key=lambda kv: kv[1])
         log.warning(

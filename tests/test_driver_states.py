@@ -1,0 +1,224 @@
+"""The driver's states one at a time, without Ray: a `RunState` and a fake worker group go in,
+the next state comes out (docs/design.md, "The driver's state machine"). Each handler's inputs
+and outputs are in its signature; the controller itself is left as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+
+import pytest
+
+from rayhybrid.cluster.drain import Drained
+from rayhybrid.driver.checkpoints import CheckpointLedger
+from rayhybrid.driver.controller import Controller
+from rayhybrid.driver.policies import Failure
+from rayhybrid.driver.records import Interruption
+from rayhybrid.driver.runlog import RunLog
+from rayhybrid.driver.state import Failed, Finished, Recovering, RunState, Training
+from rayhybrid.errors import WorkerError
+from rayhybrid.preflight import load_config
+from rayhybrid.storage import checkpoints
+from rayhybrid.storage.store import Store
+
+
+class FakeGroup:
+    """What the controller asks of a worker group, answered from lists the test sets."""
+
+    def __init__(self, dp: int = 1, world: int = 1) -> None:
+        self.calls: list[tuple] = []
+        self.fail_train: WorkerError | None = None
+        self.saves: list[dict] = []  # what group.save returns, in order
+        self.finished: list[list[dict]] = []  # what group.finished_saves returns, in order
+        self.drained = Drained(frozenset(), frozenset(), frozenset())
+        self.not_placed: set[int] = set()
+        self.world = world
+        self.env: dict = {}
+        self.start_timeout_s = 1.0
+
+    def train(self, steps, timeout_s=None, inject=None):
+        self.calls.append(("train", inject))
+        if self.fail_train is not None:
+            raise self.fail_train
+        step = 1 + sum(1 for c in self.calls if c[0] == "train") + getattr(self, "offset", 0) - 1
+        return [
+            {"step": step, "loss": 1.0 / step, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0}
+            | {
+                "step_time_s": 0.1,
+                "consumed_samples": 8 * step,
+                "checkpoints": self.finished.pop(0) if self.finished else [],
+            }
+        ]
+
+    def save(self, root, keep, timeout_s=None, inject=None):
+        self.calls.append(("save", root))
+        return dict(self.saves.pop(0))
+
+    def finished_saves(self, timeout_s=None):
+        self.calls.append(("finished_saves",))
+        return self.finished.pop(0) if self.finished else []
+
+    def nodes_of(self, slots):
+        return []
+
+    def placed_slots(self):
+        return []
+
+    def drain(self):
+        self.calls.append(("drain",))
+        return self.drained
+
+    def wait_placed(self, slots, timeout_s):
+        return {s for s in slots if s in self.not_placed}
+
+    def rebuild(self, slots):
+        self.calls.append(("rebuild", list(slots)))
+
+    def load(self, path, meta):
+        self.calls.append(("load", path))
+        return meta["step"]
+
+    def placement(self):
+        return [{"rank": r, "dp": 0, "pp": 0, "tp": 0, "node": "n", "gpu": None} for r in range(self.world)]
+
+    @property
+    def infos(self):
+        return [types.SimpleNamespace(pid=100 + r) for r in range(self.world)]
+
+    @property
+    def descriptions(self):
+        first = {"device_name": "cpu", "backend": "gloo", "device": "cpu", "model_params": 10, "loss_floor": None}
+        return [first]
+
+
+class NoDrains:
+    """A drain watch that never sees a preemption notice."""
+
+    def notice(self, group, slots, evacuated):
+        return {}
+
+    def draining(self):
+        return set()
+
+
+def controller(tmp_path, *overrides: str) -> Controller:
+    cfg = dataclasses.replace(load_config(["train.steps=10", *overrides]), run_dir=str(tmp_path))
+    ctrl = Controller(cfg)
+    ctrl.log = RunLog(cfg)
+    ctrl.ledger = CheckpointLedger(cfg, Store.open(str(tmp_path / "checkpoints")), ctrl.log)
+    ctrl.drains = NoDrains()
+    return ctrl
+
+
+def events(tmp_path) -> list[dict]:
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "event" in r]
+
+
+def test_a_step_returns_the_next_state_and_leaves_the_controller_as_it_was(tmp_path):
+    ctrl = controller(tmp_path, "checkpoint.every=0")
+    group = FakeGroup()
+    before = dict(vars(ctrl))
+    state = ctrl.on_training(Training(RunState(group=group, slots=(0,), step=0)))
+    assert isinstance(state, Training) and state.run.step == 1 and state.run.group is group
+    assert dict(vars(ctrl)) == before  # nothing set on the controller
+    assert [m["step"] for m in ctrl.log.history] == [1]
+
+
+def test_a_due_checkpoint_uploads_then_commits_through_the_ledger(tmp_path):
+    ctrl = controller(tmp_path, "checkpoint.every=1")
+    group = FakeGroup()
+    group.saves = [{"path": str(tmp_path / "c/step_00000001"), "step": 1, "async": True, "blocked_s": 0.01}]
+    run = ctrl.on_training(Training(RunState(group=group, slots=(0,)))).run
+    assert run.uploading and run.committed is None  # saving: not committed yet
+    # The upload's report comes back with the next step's results.
+    group.finished = [[{"path": str(tmp_path / "c/step_00000001"), "step": 1, "async": True}]]
+    group.finished[0][0] |= {"blocked_s": 0.01, "upload_s": 0.5}
+    group.saves = [{"path": str(tmp_path / "c/step_00000002"), "step": 2, "async": True, "blocked_s": 0.01}]
+    run = ctrl.on_training(Training(run)).run
+    assert run.committed == 1 and run.uploading  # step 1 committed, step 2 uploading
+    assert [(e["event"], e["step"]) for e in events(tmp_path)] == [("checkpoint", 1)]
+    assert ctrl.log.summary.checkpoints["saved"] == 1 and ctrl.log.summary.last_checkpoint.endswith("step_00000001")
+
+
+def test_a_failed_step_goes_to_recovering_with_what_failed(tmp_path):
+    ctrl = controller(tmp_path)
+    group = FakeGroup()
+    group.fail_train = WorkerError(0, "boom")
+    state = ctrl.on_training(Training(RunState(group=group, slots=(0, 1), step=4)))
+    assert isinstance(state, Recovering)
+    assert (state.interruption.step, state.interruption.dp_before, state.interruption.kind) == (5, 2, "restart")
+    assert state.run.step == 4 and not state.injected
+
+
+def test_recovery_replaces_the_dead_ranks_and_restores_the_latest_checkpoint(tmp_path):
+    ctrl = controller(tmp_path, "+topology=dp2")
+    group = FakeGroup(world=2)
+    group.drained = Drained(frozenset({1}), frozenset({1}), frozenset())
+    store = ctrl.ledger.store
+    path = checkpoints.begin(store, 4)
+    store.write_bytes(f"{path}/.metadata", b"dcp")
+    checkpoints.commit(store, path, {"step": 4, "consumed_samples": 32, "topology": {"dp": 2, "pp": 1, "tp": 1}})
+    intr = Interruption("restart", "rank 1: boom", 5, 2)
+    state = ctrl.on_recovering(
+        Recovering(
+            RunState(group=group, slots=(0, 1), step=4, first_restore=0, committed=4), WorkerError(1, "x"), intr, False
+        )
+    )
+    assert isinstance(state, Training)
+    run = state.run
+    assert (run.restarts, run.slots, run.step, len(run.failures)) == (1, (0, 1), 4, 1)
+    assert state.pending.replaced_ranks == [1] and state.pending.restart == 1 and state.pending.resume_step == 4
+    assert ("rebuild", [0, 1]) in group.calls and (
+        "load",
+        str(tmp_path / "checkpoints" / "step_00000004"),
+    ) in group.calls
+    assert [e["event"] for e in events(tmp_path)] == ["resume"]
+
+
+def test_recovery_gives_up_on_a_failure_that_repeats(tmp_path):
+    ctrl = controller(tmp_path)
+    group = FakeGroup()
+    earlier = Failure(5, "rank 0: boom", False)
+    intr = Interruption("restart", "rank 0: boom", 5, 1)
+    run = RunState(group=group, slots=(0,), step=4, restarts=1, failures=(earlier,))
+    state = ctrl.on_recovering(Recovering(run, WorkerError(0, "boom"), intr, False))
+    assert isinstance(state, Failed) and "failed twice" in str(state.error)
+    assert state.run.restarts == 1 and len(state.run.failures) == 2
+    assert not [c for c in group.calls if c[0] == "rebuild"]
+
+
+@pytest.mark.parametrize("elastic", [True, False])
+def test_a_replica_not_placed_again_shrinks_an_elastic_run_and_fails_a_fixed_one(tmp_path, elastic):
+    extra = ["elastic.enabled=true", "elastic.min_dp=1", "elastic.max_dp=2", "elastic.reschedule_timeout_s=1"]
+    ctrl = controller(tmp_path, "+topology=dp2", *(extra if elastic else []))
+    group = FakeGroup(world=1)
+    group.drained = Drained(frozenset({1}), frozenset({1}), frozenset({"node-b"}))
+    group.not_placed = {1}
+    intr = Interruption("restart", "node lost", 3, 2)
+    state = ctrl.on_recovering(
+        Recovering(RunState(group=group, slots=(0, 1), step=2), WorkerError(1, "x"), intr, False)
+    )
+    if elastic:
+        assert isinstance(state, Training) and state.run.slots == (0,) and state.pending.dp_after == 1
+        assert ("rebuild", [0]) in group.calls
+    else:
+        assert isinstance(state, Failed) and "could not be placed again" in str(state.error)
+
+
+def test_the_last_step_waits_for_the_upload_and_saves_again_once_if_it_failed(tmp_path):
+    ctrl = controller(tmp_path, "checkpoint.every=5")
+    group = FakeGroup()
+    done = {"path": str(tmp_path / "c/step_00000010"), "step": 10, "async": True, "blocked_s": 0.0, "upload_s": 0.1}
+    group.finished = [[{**done, "error": "disk full"}], [done]]
+    group.saves = [{**done, "blocked_s": 0.0}]
+    run = RunState(group=group, slots=(0,), step=10, uploading=True)
+    state = ctrl.on_training(Training(run))
+    assert isinstance(state, Finished) and state.run.committed == 10
+    assert [e["event"] for e in events(tmp_path)] == ["checkpoint_failed", "checkpoint"]
+    # Twice failed: the run fails, naming the error.
+    group.finished = [[{**done, "error": "disk full"}], [{**done, "error": "disk full"}]]
+    group.saves = [{**done, "blocked_s": 0.0}]
+    state = ctrl.on_training(Training(run))
+    assert isinstance(state, Failed) and "could not be written: disk full" in str(state.error)
