@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 INTRO = (
     "# Benchmarks\n\n"
     "Written by `python benchmarks/run.py` (see its docstring), which runs every case in fresh processes, one "
@@ -402,8 +404,32 @@ SECTIONS = {
 }
 
 
-def markdown(results: dict) -> str:
-    return INTRO + "\n" + "".join(SECTIONS[name](results[name]) for name in SECTIONS if name in results)
+KEPT_HEADING = "## Figures from development runs"
+"""A section of BENCHMARKS.md that results.json does not hold (figures measured by hand while
+rayhybrid was developed): a rerun keeps it as it is."""
+
+
+def kept_section(previous: str) -> str:
+    """The KEPT_HEADING section of `previous` (an earlier BENCHMARKS.md), verbatim from its
+    heading to the next "## " heading or the end; "" when it has none."""
+    lines = previous.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == KEPT_HEADING), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "".join(lines[start:end])
+
+
+def markdown(results: dict, previous: str = "") -> str:
+    """BENCHMARKS.md: a section per benchmark in `results`, then the kept section of `previous`."""
+    sections = "".join(SECTIONS[name](results[name]) for name in SECTIONS if name in results)
+    return INTRO + "\n" + sections + kept_section(previous)
+
+
+def write(path: Path, results: dict) -> None:
+    """Rewrite `path` (BENCHMARKS.md) from `results`, keeping its hand-written section."""
+    previous = path.read_text() if path.exists() else ""
+    path.write_text(markdown(results, previous))
 
 
 def table(results: dict) -> str:

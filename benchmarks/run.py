@@ -6,8 +6,9 @@
 
 Each benchmark runs its cases one after another in fresh processes and reports ratios measured
 in this one invocation (absolute times on a shared or small machine say little). Results go
-to benchmarks/results.json and BENCHMARKS.md (each section with the command that produced it).
-Not part of the test suite.
+to benchmarks/results.json and BENCHMARKS.md (each section with the command that produced it;
+the hand-written "Figures from development runs" section is kept as it is). Not part of the
+test suite.
 """
 
 from __future__ import annotations
@@ -481,7 +482,7 @@ def main() -> None:
             print(json.dumps(result, indent=None)[:1500], flush=True)
     import report
 
-    Path(args.out).write_text(report.markdown(results))
+    report.write(Path(args.out), results)  # keeps BENCHMARKS.md's "Figures from development runs"
     print(report.table(results))
 
 

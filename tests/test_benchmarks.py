@@ -201,3 +201,31 @@ def test_report_checkpoints_section():
 
     failed = report.markdown({"checkpoints": {**meta, "error": "RuntimeError: no moto"}})
     assert "**Failed**: `RuntimeError: no moto`" in failed and "| model |" not in failed
+
+
+def test_a_rerun_keeps_the_figures_from_development_runs(tmp_path):
+    """BENCHMARKS.md's hand-written section survives a rerun verbatim; the generated sections are
+    rewritten from the results, as before."""
+    kept = (
+        "## Figures from development runs\n\n"
+        "Measured by hand; not in results.json.\n\n"
+        "**Quick start.** about 2-3 minutes on a 2-core machine.\n\n"
+        "- a list item\n"
+        "### a subsection of its own\n\n"
+        "The end.\n"
+    )
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text(report.INTRO + "\n## 1. Scaling on this machine\n\nstale figures\n\n" + kept)
+    results = _results()
+    report.write(path, results)
+    text = path.read_text()
+    assert text == report.markdown(results) + kept
+    assert text.count("## Figures from development runs") == 1 and "stale figures" not in text
+    # A second rerun changes nothing; a file without the section gets none; a section followed
+    # by another heading keeps only its own text.
+    report.write(path, results)
+    assert path.read_text() == text
+    (tmp_path / "new.md").write_text(report.INTRO)
+    report.write(tmp_path / "new.md", results)
+    assert (tmp_path / "new.md").read_text() == report.markdown(results)
+    assert report.kept_section("# B\n\n" + kept + "## 9. Later\n\nx\n") == kept

@@ -6,8 +6,10 @@ Nothing trains; Ray is imported only to place against a cluster.
     from rayhybrid.plan import build_plan
     plan = build_plan(load_config(["+topology=dp2_pp2_tp2"]))   # a JSON-able dict
 
-`rayhybrid.plan.estimate` holds the formulas (`model_flops_per_token`, `block_bytes`, ...);
-`rayhybrid.plan.schedule` the pipeline schedules' action orders.
+`rayhybrid.plan.estimate` holds the formulas (`model_flops_per_token`, `block_bytes`,
+`communication`, ...); `rayhybrid.plan.memory` each rank's peak memory, term by term
+(`rank_memory`, also importable from `estimate`); `rayhybrid.plan.schedule` the pipeline
+schedules' action orders.
 """
 
 __all__ = ["build_plan", "format_text"]

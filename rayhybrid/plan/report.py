@@ -11,16 +11,135 @@ MB = est.MB
 
 
 def build_plan(cfg: Config, placement: dict | None = None) -> dict:
-    t, tr, model = cfg.topology, cfg.train, cfg.model
-    s = cfg.data.seq_len
+    """The plan of `cfg` as one JSON-able dict (`python -m rayhybrid.plan --json`); `placement`:
+    where a cluster put the ranks (rayhybrid/plan/placement.py), or None."""
+    t, model = cfg.topology, cfg.model
     topo = Topology(t.dp, t.pp, t.tp)
-    m = est._microbatches(cfg)
-    v = Layout.of(cfg).virtual_stages
     all_stages = est.stages(cfg)
     owned = {r: est.owned_stages(cfg, r) for r in range(t.pp)}
-    shard = t.dp if (t.dp_shard and t.dp > 1) else 1
-    placed = {p["rank"]: p for p in placement["ranks"]} if placement else {}
+    ranks = _rank_rows(topo, all_stages, owned, placement)
+    # A model whose spec has no memory model (ModelSpec.memory None, e.g. one loaded with
+    # model.module) lists no parameter tensors: no per-stage counts, memory or communication.
+    modelled = est.has_memory_model(cfg)
+    parameters = _parameters(cfg, all_stages, owned, modelled)
+    # AdamW's temporaries differ between CPU (for-loop) and CUDA (foreach): GPUs when the
+    # cluster has them (or cluster.use_gpu=true).
+    cuda = placement["device"] == "GPU" if placement else str(cfg.cluster.use_gpu).lower() == "true"
+    memory = _memory(cfg, topo, cuda) if modelled else None
+    comm = {r: est.communication(cfg, r) for r in range(t.pp)} if modelled else {}
+    bubble = _bubble(cfg)
+    return {
+        "config": _config_section(cfg, topo.world_size, len(all_stages)),
+        "ranks": ranks,
+        "placement": ({"device": placement["device"]} if placement else None),
+        "not_modelled": None
+        if modelled
+        else (
+            f"memory, communication and per-stage parameters (model {model.module or model.name} "
+            "has no memory model: its ModelSpec.memory is None)"
+        ),
+        "parameters": parameters,
+        "memory": memory,
+        "communication": {"per_pp_rank": [{"pp_rank": r, **comm[r]} for r in range(t.pp)]} if modelled else None,
+        "bubble": bubble,
+        "flops": _flops(cfg, topo.world_size),
+        "megatron": _megatron(cfg) if modelled else None,
+    }
 
+
+def _parameters(cfg: Config, all_stages: list[est.Stage], owned: dict[int, list[int]], modelled: bool) -> dict:
+    """The plan's "parameters": the model's, each stage's, each pipeline rank's."""
+    total = est.num_params(cfg.model, cfg.data.seq_len)
+    stage_rows = _stage_rows(cfg, all_stages, modelled)
+    return {
+        "total": total,
+        "stages": stage_rows,
+        "per_pp_rank": [
+            {
+                "pp_rank": r,
+                "stages": owned[r],
+                "params_per_rank": sum(stage_rows[i]["params_per_rank"] for i in owned[r]) if modelled else None,
+            }
+            for r in range(cfg.topology.pp)
+        ],
+    }
+
+
+def _memory(cfg: Config, topo: Topology, cuda: bool) -> dict:
+    """The plan's "memory": each pipeline rank's peak (`rank_memory`), each rank's total."""
+    memory = {r: est.rank_memory(cfg, r, cuda=cuda) for r in range(topo.pp)}
+    return {
+        "device": "cuda" if cuda else "cpu",
+        "per_pp_rank": [memory[r].as_dict() for r in range(topo.pp)],
+        "per_rank_total_mb": [memory[topo.coord(r).pp].total / MB for r in range(topo.world_size)],
+        "max_mb": max(mem.total for mem in memory.values()) / MB,
+    }
+
+
+def _bubble(cfg: Config) -> dict:
+    t = cfg.topology
+    m, v = est._microbatches(cfg), Layout.of(cfg).virtual_stages
+    fraction, formula = est.bubble_fraction(t.schedule, t.pp, m, v)
+    return {
+        "fraction": fraction,
+        "formula": formula,
+        "schedule": t.schedule if t.pp > 1 else None,
+        "pp": t.pp,
+        "num_microbatches": m,
+        "stages_per_rank": v,
+    }
+
+
+def _flops(cfg: Config, world_size: int) -> dict:
+    model, s = cfg.model, cfg.data.seq_len
+    per_token = est.model_flops_per_token(model, s)
+    per_step = per_token * cfg.train.global_batch_size * s
+    return {
+        "per_token": per_token,
+        "per_token_no_attention": est.model_flops_per_token(model, s, attention=False),
+        "per_step": per_step,
+        "per_rank_per_step": per_step / world_size,
+    }
+
+
+def _config_section(cfg: Config, world_size: int, num_stages: int) -> dict:
+    """The plan's "config": the settings it was made for."""
+    t, tr, model = cfg.topology, cfg.train, cfg.model
+    return {
+        "dp": t.dp,
+        "pp": t.pp,
+        "tp": t.tp,
+        "world_size": world_size,
+        "schedule": t.schedule if t.pp > 1 else None,
+        "stages_per_rank": Layout.of(cfg).virtual_stages,
+        "num_stages": num_stages,
+        "dp_shard": t.dp_shard,
+        "loss_parallel": t.tp > 1 and t.use_loss_parallel(model.vocab_size),
+        "model": model.module or model.name,
+        "flavor": model.flavor,
+        "n_layers": model.n_layers,
+        "d_model": model.d_model,
+        "n_heads": model.n_heads,
+        "n_kv_heads": model.kv_heads,
+        "head_dim": model.head_width,
+        "attn_dim": model.attn_dim,
+        "ffn_dim": model.hidden_dim,
+        "tie_embeddings": model.tie_embeddings,
+        "vocab_size": model.vocab_size,
+        "seq_len": cfg.data.seq_len,
+        "global_batch_size": tr.global_batch_size,
+        "micro_batch_size": tr.micro_batch_size,
+        "num_microbatches": est._microbatches(cfg),
+        "dtype": tr.dtype,
+        "activation_checkpointing": tr.activation_checkpointing,
+    }
+
+
+def _rank_rows(
+    topo: Topology, all_stages: list[est.Stage], owned: dict[int, list[int]], placement: dict | None
+) -> list[dict]:
+    """The plan's "ranks": each rank's coordinates, stages and (placed) node and bundle."""
+    placed = {p["rank"]: p for p in placement["ranks"]} if placement else {}
     ranks = []
     for rank in range(topo.world_size):
         c = topo.coord(rank)
@@ -43,12 +162,14 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
         if placement:
             row.update(node=placed[rank]["node"], node_id=placed[rank]["node_id"], bundle=placed[rank]["bundle"])
         ranks.append(row)
+    return ranks
 
-    n_params = est.num_params(model, s)
-    # A model whose spec has no memory model (ModelSpec.memory None, e.g. one loaded with
-    # model.module) lists no parameter tensors: no per-stage counts, memory or communication.
-    modelled = est.has_memory_model(cfg)
-    stage_rows = [
+
+def _stage_rows(cfg: Config, all_stages: list[est.Stage], modelled: bool) -> list[dict]:
+    """The plan's parameters per stage (None where the model has no memory model)."""
+    t = cfg.topology
+    shard = t.dp if (t.dp_shard and t.dp > 1) else 1
+    return [
         {
             "stage": st.index,
             "layers": [st.layers.start, st.layers.stop - 1],
@@ -59,115 +180,37 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
         }
         for st in all_stages
     ]
-    # AdamW's temporaries differ between CPU (for-loop) and CUDA (foreach): GPUs when the
-    # cluster has them (or cluster.use_gpu=true).
-    cuda = placement["device"] == "GPU" if placement else str(cfg.cluster.use_gpu).lower() == "true"
-    memory = {r: est.rank_memory(cfg, r, cuda=cuda) for r in range(t.pp)} if modelled else {}
-    comm = {r: est.communication(cfg, r) for r in range(t.pp)} if modelled else {}
-    bubble, formula = est.bubble_fraction(t.schedule, t.pp, m, v)
-    per_token = est.model_flops_per_token(model, s)
-    per_step = per_token * tr.global_batch_size * s
 
-    megatron = None
-    if modelled and not model.module and model.name == "gpt" and model.flavor.startswith("gpt3"):
-        b = tr.micro_batch_size
-        megatron = {
-            "source": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit, no recompute); "
-            "tp without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t))",
-            "micro_batch_size": b,
-            "seq_len": s,
-            "tp": t.tp,
-            "per_layer_bytes": est.megatron_activation_bytes(model, s, b),
-            "per_layer_tp_bytes": est.megatron_activation_bytes(model, s, b, t.tp),
-            "this_trainer_per_layer_bytes": {
-                dtype: b * est.block_bytes(cfg, tp=t.tp, dtype=dtype) for dtype in ("float32", "bfloat16")
-            },
-        }
-        megatron["difference"] = (
-            "the formula's 5*a*s/h term is the attention's score and dropout matrices; "
-            "fused attention (scaled_dot_product_attention) keeps only a log-sum-exp per head "
-            "and token, and this model has no dropout"
-        )
-        if model.attn_dim != model.d_model:
-            megatron["note"] = (
-                f"the formula assumes attention width = d_model; this model's is {model.attn_dim} "
-                f"(heads x head_dim) on d_model {model.d_model}"
-            )
 
-    return {
-        "config": {
-            "dp": t.dp,
-            "pp": t.pp,
-            "tp": t.tp,
-            "world_size": topo.world_size,
-            "schedule": t.schedule if t.pp > 1 else None,
-            "stages_per_rank": v,
-            "num_stages": len(all_stages),
-            "dp_shard": t.dp_shard,
-            "loss_parallel": t.tp > 1 and t.use_loss_parallel(model.vocab_size),
-            "model": model.module or model.name,
-            "flavor": model.flavor,
-            "n_layers": model.n_layers,
-            "d_model": model.d_model,
-            "n_heads": model.n_heads,
-            "n_kv_heads": model.kv_heads,
-            "head_dim": model.head_width,
-            "attn_dim": model.attn_dim,
-            "ffn_dim": model.hidden_dim,
-            "tie_embeddings": model.tie_embeddings,
-            "vocab_size": model.vocab_size,
-            "seq_len": s,
-            "global_batch_size": tr.global_batch_size,
-            "micro_batch_size": tr.micro_batch_size,
-            "num_microbatches": m,
-            "dtype": tr.dtype,
-            "activation_checkpointing": tr.activation_checkpointing,
+def _megatron(cfg: Config) -> dict | None:
+    """The GPT-3 models' activations per layer against Megatron-LM's formula (None for others)."""
+    t, model, s = cfg.topology, cfg.model, cfg.data.seq_len
+    if model.module or model.name != "gpt" or not model.flavor.startswith("gpt3"):
+        return None
+    b = cfg.train.micro_batch_size
+    megatron = {
+        "source": "Korthikanti et al. 2022: s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit, no recompute); "
+        "tp without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t))",
+        "micro_batch_size": b,
+        "seq_len": s,
+        "tp": t.tp,
+        "per_layer_bytes": est.megatron_activation_bytes(model, s, b),
+        "per_layer_tp_bytes": est.megatron_activation_bytes(model, s, b, t.tp),
+        "this_trainer_per_layer_bytes": {
+            dtype: b * est.block_bytes(cfg, tp=t.tp, dtype=dtype) for dtype in ("float32", "bfloat16")
         },
-        "ranks": ranks,
-        "placement": ({"device": placement["device"]} if placement else None),
-        "not_modelled": None
-        if modelled
-        else (
-            f"memory, communication and per-stage parameters (model {model.module or model.name} "
-            "has no memory model: its ModelSpec.memory is None)"
-        ),
-        "parameters": {
-            "total": n_params,
-            "stages": stage_rows,
-            "per_pp_rank": [
-                {
-                    "pp_rank": r,
-                    "stages": owned[r],
-                    "params_per_rank": sum(stage_rows[i]["params_per_rank"] for i in owned[r]) if modelled else None,
-                }
-                for r in range(t.pp)
-            ],
-        },
-        "memory": None
-        if not modelled
-        else {
-            "device": "cuda" if cuda else "cpu",
-            "per_pp_rank": [memory[r].as_dict() for r in range(t.pp)],
-            "per_rank_total_mb": [memory[topo.coord(r).pp].total / MB for r in range(topo.world_size)],
-            "max_mb": max(mem.total for mem in memory.values()) / MB,
-        },
-        "communication": {"per_pp_rank": [{"pp_rank": r, **comm[r]} for r in range(t.pp)]} if modelled else None,
-        "bubble": {
-            "fraction": bubble,
-            "formula": formula,
-            "schedule": t.schedule if t.pp > 1 else None,
-            "pp": t.pp,
-            "num_microbatches": m,
-            "stages_per_rank": v,
-        },
-        "flops": {
-            "per_token": per_token,
-            "per_token_no_attention": est.model_flops_per_token(model, s, attention=False),
-            "per_step": per_step,
-            "per_rank_per_step": per_step / topo.world_size,
-        },
-        "megatron": megatron,
     }
+    megatron["difference"] = (
+        "the formula's 5*a*s/h term is the attention's score and dropout matrices; "
+        "fused attention (scaled_dot_product_attention) keeps only a log-sum-exp per head "
+        "and token, and this model has no dropout"
+    )
+    if model.attn_dim != model.d_model:
+        megatron["note"] = (
+            f"the formula assumes attention width = d_model; this model's is {model.attn_dim} "
+            f"(heads x head_dim) on d_model {model.d_model}"
+        )
+    return megatron
 
 
 def _mb(x: float) -> str:
@@ -202,30 +245,56 @@ def _stage_label(st: dict) -> str:
 
 
 def format_text(plan: dict) -> str:
-    c = plan["config"]
-    out: list[str] = []
+    """The plan as `python -m rayhybrid.plan` prints it."""
+    out = _title_lines(plan["config"])
+    out += _rank_lines(plan)
+    out += _parameter_lines(plan["parameters"])
+    if plan["not_modelled"]:
+        out += ["", f"Not modelled: {plan['not_modelled']}"]
+    else:
+        out += _memory_lines(plan["memory"])
+        out += _communication_lines(plan["communication"])
+    b = plan["bubble"]
+    out += ["", f"Pipeline bubble: {b['fraction']:.1%}  [{b['formula']}; m={b['num_microbatches']}]"]
+    f = plan["flops"]
+    out += [
+        "",
+        (
+            f"FLOPs: {f['per_token']:.4g} per token (6N + 12 L s a; 6N alone: {f['per_token_no_attention']:.4g}), "
+            f"{f['per_step']:.4g} per step, {f['per_rank_per_step']:.4g} per rank and step"
+        ),
+    ]
+    if plan["megatron"]:
+        out += _megatron_lines(plan["megatron"])
+    return "\n".join(out)
+
+
+def _title_lines(c: dict) -> list[str]:
+    """The layout and the model, in two lines."""
     sched = ""
     if c["pp"] > 1:
         sched = f", {c['schedule']}" + (f" ({c['stages_per_rank']} stages/rank)" if c["stages_per_rank"] > 1 else "")
-    out.append(
-        f"rayhybrid plan: dp={c['dp']} x pp={c['pp']} x tp={c['tp']} = {c['world_size']} ranks{sched}"
-        f"{', FSDP2' if c['dp_shard'] and c['dp'] > 1 else ''}"
-    )
     shape = f"{c['n_layers']} layers, d {c['d_model']}, {c['n_heads']} heads"
     if c["model"] in BUILTIN:  # a model.module's may ignore these settings
         if c["n_kv_heads"] != c["n_heads"]:
             shape += f" sharing {c['n_kv_heads']} key/value heads"
         shape += f", ffn {c['ffn_dim']}" + (", tied output" if c["tie_embeddings"] else "")
     flavor = f" {c['flavor']}" if c["flavor"] and c["flavor"] != c["model"] else ""
-    out.append(
+    return [
+        (
+            f"rayhybrid plan: dp={c['dp']} x pp={c['pp']} x tp={c['tp']} = {c['world_size']} ranks{sched}"
+            f"{', FSDP2' if c['dp_shard'] and c['dp'] > 1 else ''}"
+        ),
         f"model {c['model']}{flavor} ({shape}, vocab {c['vocab_size']}), "
         f"seq {c['seq_len']}, global batch {c['global_batch_size']} = dp {c['dp']} x {c['num_microbatches']} "
         f"micro-batches x {c['micro_batch_size']}, {c['dtype']}"
         + (", activation checkpointing" if c["activation_checkpointing"] else "")
-        + (", loss parallel" if c["loss_parallel"] else "")
-    )
+        + (", loss parallel" if c["loss_parallel"] else ""),
+    ]
 
-    out += ["", "Ranks (rank = (dp_i * pp + pp_i) * tp + tp_i):"]
+
+def _rank_lines(plan: dict) -> list[str]:
+    out = ["", "Ranks (rank = (dp_i * pp + pp_i) * tp + tp_i):"]
     placed = plan["placement"] is not None
     header = ["rank", "dp", "pp", "tp", "replica", "stages (layers)"] + (["node (id)", "bundle"] if placed else [])
     rows = []
@@ -237,9 +306,11 @@ def format_text(plan: dict) -> str:
     out += ["  " + line for line in _table(header, rows, left=(5, 6))]
     if placed:
         out.append(f"  placed on {plan['placement']['device']}s; the placement groups were released again")
+    return out
 
-    p = plan["parameters"]
-    out += ["", f"Parameters: {p['total']:,} ({_count(p['total'])})"]
+
+def _parameter_lines(p: dict) -> list[str]:
+    out = ["", f"Parameters: {p['total']:,} ({_count(p['total'])})"]
     header = ["stage", "layers", "params", "per tp rank", "per rank"]
     rows = [
         [
@@ -249,98 +320,61 @@ def format_text(plan: dict) -> str:
         ]
         for s in p["stages"]
     ]
-    out += ["  " + line for line in _table(header, rows, left=(1,))]
+    return out + ["  " + line for line in _table(header, rows, left=(1,))]
 
-    if plan["not_modelled"]:
-        out += ["", f"Not modelled: {plan['not_modelled']}"]
-    else:
-        out += _memory_and_communication(plan)
 
-    b = plan["bubble"]
-    out += ["", f"Pipeline bubble: {b['fraction']:.1%}  [{b['formula']}; m={b['num_microbatches']}]"]
-
-    f = plan["flops"]
-    out += [
+def _megatron_lines(mg: dict) -> list[str]:
+    ours = mg["this_trainer_per_layer_bytes"]
+    line = f"  Megatron-LM formula (Korthikanti et al. 2022, 16-bit, no recompute): {_bytes(mg['per_layer_bytes'])}"
+    if mg["tp"] > 1:
+        line += f"; tp={mg['tp']} (no sequence parallelism): {_bytes(mg['per_layer_tp_bytes'])}"
+    out = [
         "",
+        f"Activation memory per layer, micro-batch {mg['micro_batch_size']}, seq {mg['seq_len']}:",
+        line,
         (
-            f"FLOPs: {f['per_token']:.4g} per token (6N + 12 L s a; 6N alone: {f['per_token_no_attention']:.4g}), "
-            f"{f['per_step']:.4g} per step, {f['per_rank_per_step']:.4g} per rank and step"
+            f"  this trainer's count (tp={mg['tp']}): {_bytes(ours['float32'])} float32, "
+            f"{_bytes(ours['bfloat16'])} bfloat16 autocast"
         ),
+        f"  difference: {mg['difference']}",
     ]
-
-    mg = plan["megatron"]
-    if mg:
-        ours = mg["this_trainer_per_layer_bytes"]
-        line = f"  Megatron-LM formula (Korthikanti et al. 2022, 16-bit, no recompute): {_bytes(mg['per_layer_bytes'])}"
-        if mg["tp"] > 1:
-            line += f"; tp={mg['tp']} (no sequence parallelism): {_bytes(mg['per_layer_tp_bytes'])}"
-        out += [
-            "",
-            f"Activation memory per layer, micro-batch {mg['micro_batch_size']}, seq {mg['seq_len']}:",
-            line,
-            (
-                f"  this trainer's count (tp={mg['tp']}): {_bytes(ours['float32'])} float32, "
-                f"{_bytes(ours['bfloat16'])} bfloat16 autocast"
-            ),
-        ]
-        out.append(f"  difference: {mg['difference']}")
-        if "note" in mg:
-            out.append(f"  note: {mg['note']}")
-    return "\n".join(out)
+    if "note" in mg:
+        out.append(f"  note: {mg['note']}")
+    return out
 
 
-def _memory_and_communication(plan: dict) -> list[str]:
-    out: list[str] = []
-    out += [
+def _memory_lines(memory: dict) -> list[str]:
+    out = [
         "",
         (
-            f"Memory per rank, MB at the predicted peak on {plan['memory']['device'].upper()} "
+            f"Memory per rank, MB at the predicted peak on {memory['device'].upper()} "
             "(same on every dp and tp rank of a pipeline rank):"
         ),
     ]
-    header = [
-        "pp rank",
-        "params",
-        "grads",
-        "optimizer",
-        "activations",
-        "buffers",
-        "transient",
-        "other",
-        "total",
-        "peak at",
-    ]
+    header = ["pp rank", "params", "grads", "optimizer", "activations", "buffers", "transient", "other", "total"]
     rows = []
-    for mem in plan["memory"]["per_pp_rank"]:
+    for mem in memory["per_pp_rank"]:
         other = mem["batch_mb"] + mem["dp_buffers_mb"] + mem["autocast_weights_mb"]
+        parts = ("params", "grads", "optimizer", "activations", "pipeline_buffers", "transient")
         rows.append(
-            [
-                mem["pp_rank"],
-                _mb(mem["params_mb"]),
-                _mb(mem["grads_mb"]),
-                _mb(mem["optimizer_mb"]),
-                _mb(mem["activations_mb"]),
-                _mb(mem["pipeline_buffers_mb"]),
-                _mb(mem["transient_mb"]),
-                _mb(other),
-                _mb(mem["total_mb"]),
-                mem["peak_at"],
-            ]
+            [mem["pp_rank"], *(_mb(mem[f"{k}_mb"]) for k in parts), _mb(other), _mb(mem["total_mb"]), mem["peak_at"]]
         )
-    out += ["  " + line for line in _table(header, rows, left=(9,))]
-    notes = dict.fromkeys(n for mem in plan["memory"]["per_pp_rank"] for n in mem["notes"])
-    in_flight = [f"stage {k}: {v}" for mem in plan["memory"]["per_pp_rank"] for k, v in mem["in_flight"].items()]
+    out += ["  " + line for line in _table([*header, "peak at"], rows, left=(9,))]
+    notes = dict.fromkeys(n for mem in memory["per_pp_rank"] for n in mem["notes"])
+    in_flight = [f"stage {k}: {v}" for mem in memory["per_pp_rank"] for k, v in mem["in_flight"].items()]
     out.append(f"  activations: saved for backward by the micro-batches in flight at the peak ({', '.join(in_flight)})")
     out.append(
         "  buffers: pipeline receive buffers, kept logits and sends; "
         "other: batch, data-parallel copies, autocast copies"
     )
-    out += [f"  note: {n}" for n in notes]
+    return out + [f"  note: {n}" for n in notes]
 
-    out += ["", "Communication per optimizer step, per rank (payload / on the wire with ring algorithms):"]
+
+def _communication_lines(communication: dict) -> list[str]:
+    out = ["", "Communication per optimizer step, per rank (payload / on the wire with ring algorithms):"]
     header = ["pp rank", "dp", "tp", "pp send", "pp recv", "total wire"]
     rows = []
-    for cm in plan["communication"]["per_pp_rank"]:
+    for cm in communication["per_pp_rank"]:
         rows.append(
             [
                 cm["pp_rank"],
@@ -353,10 +387,6 @@ def _memory_and_communication(plan: dict) -> list[str]:
         )
     out += ["  " + line for line in _table(header, rows)]
     kinds = {
-        f"{k}: {cm[k]['kind']}"
-        for cm in plan["communication"]["per_pp_rank"]
-        for k in ("dp", "tp")
-        if cm[k]["kind"] != "none"
+        f"{k}: {cm[k]['kind']}" for cm in communication["per_pp_rank"] for k in ("dp", "tp") if cm[k]["kind"] != "none"
     }
-    out += [f"  {k}" for k in sorted(kinds)]
-    return out
+    return out + [f"  {k}" for k in sorted(kinds)]
