@@ -172,7 +172,6 @@ def test_command_line_form_composes():
 def test_defaults_inject_nothing():
     fault = FaultConfig()
     assert (fault.inject, fault.inject_rate, fault.inject_kinds, fault.inject_seed) == ((), 0.0, KINDS[:3], 0)
-    assert not FaultPlan(fault).active
     assert all(FaultPlan(fault).due(step, "step", 4) is None for step in range(1, 100))
 
 
@@ -181,7 +180,6 @@ def test_defaults_inject_nothing():
 
 def test_planned_fault_fires_once_at_its_step_and_phase():
     plan = FaultPlan(FaultConfig(inject=("kill@5:1", "kill_save@50:0")))
-    assert plan.active
     assert plan.due(4, "step", 4) is None
     assert plan.due(5, "save", 4) is None  # kill@5 belongs to the step, not to a save after it
     assert plan.due(5, "step", 4) == Injection("kill", 5, 1)

@@ -96,7 +96,8 @@ class Controller:
         self.log.summary.checkpoint_dir = store.display
         self.ledger = CheckpointLedger(cfg, store, self.log)
         self.drains = DrainWatch(cfg, self.scaling, self.ledger)
-        self.log.trackers = Trackers.open(cfg, self.log.dir, store)
+        self.found = self.ledger.latest()  # listed once: the trackers, the model check and the first start use it
+        self.log.trackers = Trackers.open(cfg, self.log.dir, store, checkpoint_found=self.found is not None)
         return connect(cfg)
 
     def _checkpoint_url(self) -> str:
@@ -105,7 +106,6 @@ class Controller:
     def prepare(self) -> None:
         """Before the first start: the checkpoint to resume holds this model, and the cluster can
         ever hold the run."""
-        self.found = self.ledger.latest()
         check_same_model(self.found, self.cfg)
         self.shape = resolve_shape(self.cfg)
         check_capacity(self.shape, self.scaling.min_dp)

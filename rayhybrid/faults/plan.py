@@ -183,11 +183,6 @@ class FaultPlan:
         self._seed = (int(fault_cfg.inject_seed), int(seed_offset))
         self._done: set[tuple[int, str]] = set()
 
-    @property
-    def active(self) -> bool:
-        """Whether any fault is configured at all (planned, or random at a rate above 0 with kinds to draw)."""
-        return bool(self._planned) or (self._rate > 0 and any(self._kinds.values()))
-
     def due(self, step: int, phase: str, world_size: int) -> Injection | None:
         """The fault to fire now, with a concrete rank (< world_size; a configured RANK >= world_size
         after a shrink becomes RANK % world_size), or None. Marks it fired.

@@ -38,12 +38,19 @@ class Start:
     saved: dict = dataclasses.field(default_factory=dict)
     """tracking.json when the run resumes, else empty: each tracker's entry under its `key`."""
 
+    checkpoint_found: bool | None = None
+    """Whether the store holds a checkpoint, when the caller has looked already (None: look)."""
+
     @functools.cached_property
     def resuming(self) -> bool:
         """Whether the run continues from a checkpoint in the store. Only then do the trackers
         continue the runs of earlier processes: a run that starts over from step 1 (its first
         attempt failed before a checkpoint) is new."""
-        return self.store is not None and checkpoint_store.latest(self.store) is not None
+        if self.store is None:
+            return False
+        if self.checkpoint_found is not None:
+            return self.checkpoint_found
+        return checkpoint_store.latest(self.store) is not None
 
 
 class Tracker(ABC):

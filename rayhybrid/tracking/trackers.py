@@ -51,10 +51,12 @@ class Trackers:
         self.save_failed = False
 
     @classmethod
-    def open(cls, cfg: Config, run_dir: Path, store: Store | None) -> Trackers:
+    def open(cls, cfg: Config, run_dir: Path, store: Store | None, checkpoint_found: bool | None = None) -> Trackers:
         """Start every enabled tracker's run, or continue the one `tracking.json` in `store` names
-        (no store: always a new run), and log the config (redacted). Raises ConfigError when a
-        tracker cannot start: a bad setting, no credentials, a server out of reach."""
+        (no store: always a new run), and log the config (redacted). `checkpoint_found`: whether
+        the store holds a checkpoint, when the caller has looked (else the store is listed).
+        Raises ConfigError when a tracker cannot start: a bad setting, no credentials, a server
+        out of reach."""
         validate(cfg)
         backends = [backend for backend in BACKENDS if backend.enabled(cfg)]
         if not backends:
@@ -62,7 +64,7 @@ class Trackers:
         settings = dataclasses.asdict(cfg)
         secrets = secret_values(settings, *strings(settings))
         config = scrubbed(flatten(redact(settings), "."), secrets)
-        start = Start(Path(run_dir).resolve(), config, secrets, store)
+        start = Start(Path(run_dir).resolve(), config, secrets, store, checkpoint_found=checkpoint_found)
         if any(backend.key for backend in backends) and start.resuming:
             start.saved = _read_state(store)
         trackers: list[Tracker] = []
