@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -42,6 +43,36 @@ from rayhybrid.storage.store import Store, one_line
 log = logging.getLogger(__name__)
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def trainer_meta(trainer) -> dict:
+    """The trainer's state that travels with a checkpoint, as JSON (committed beside its data)."""
+    cfg, t, val_loss = trainer.cfg, trainer.cfg.topology, trainer.evaluation.val_loss
+    return {
+        "version": 1,
+        "step": trainer.step,
+        # The whole model config, so a checkpoint alone says what it holds (export needs it).
+        "model": dataclasses.asdict(cfg.model),
+        "seq_len": cfg.data.seq_len,
+        "consumed_samples": trainer.consumed_samples,
+        # The held-out loss of this very step, when it was evaluated (checkpoint.keep_best).
+        **({"val_loss": val_loss[1]} if val_loss and val_loss[0] == trainer.step else {}),
+        "global_batch_size": cfg.train.global_batch_size,
+        "seed": cfg.seed,
+        "topology": {"dp": t.dp, "pp": t.pp, "tp": t.tp, "schedule": t.schedule, "dp_shard": t.dp_shard},
+    }
+
+
+def restore(trainer, path: str, meta: dict) -> None:
+    """Load the checkpoint at `path` (its committed `meta`) into `trainer`'s stages, optimizers
+    and RNG, whatever topology wrote it; refused under another global batch. The trainer's step
+    counters are the caller's to set."""
+    if meta["global_batch_size"] != trainer.cfg.train.global_batch_size:
+        raise ValueError(
+            f"checkpoint {path} was trained with train.global_batch_size={meta['global_batch_size']}; "
+            f"resume with the same global batch (it fixes the sample stream and the LR schedule)"
+        )
+    load(trainer, path, trainer.cfg.checkpoint.storage_options)
 
 
 def _parts(trainer) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:

@@ -8,7 +8,6 @@ for _ in range(cfg.train.steps):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -21,20 +20,24 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
-from rayhybrid.data.streams import build_held_out, build_stream, replica_shard
-from rayhybrid.models.layers import shared_parameters
+from rayhybrid.data.streams import build_stream, replica_shard
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
-from rayhybrid.parallel.pipeline import build_schedule, forward_only
-from rayhybrid.trainer.memory import MemoryMeter
-from rayhybrid.trainer.optim import build_optimizer, lr_at, set_lr
+from rayhybrid.parallel.pipeline import forward_only as pipeline_forward_only
+from rayhybrid.trainer.build import build_memory_meter, build_optimizers, build_pipeline, build_stages
+from rayhybrid.trainer.evaluation import Evaluation
+from rayhybrid.trainer.instrument import instrument_stage, timed_schedule
+from rayhybrid.trainer.optim import lr_at, set_lr
 from rayhybrid.trainer.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
+    """One rank's training: its stages, optimizers and pipeline schedule (trainer/build.py), the
+    step, held-out evaluation (trainer/evaluation.py) and checkpoints (trainer/checkpoint.py)."""
+
     def __init__(self, cfg: Config, *, rank: int, device: torch.device) -> None:
         self.cfg = cfg
         t = cfg.topology
@@ -54,17 +57,15 @@ class Trainer:
         self.upload_group = dist.new_group(backend="gloo") if async_saves else None
         self.saver = None
         self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
-        self.held_out = None  # evaluation's stream, built on first use
-        self.val_loss: tuple[int, float] | None = None  # (step, loss) of the latest evaluation
+        self.evaluation = Evaluation()  # the held-out stream, built on first use, and val_loss
         self.n_microbatches = self.layout.num_microbatches
         self.replica_tokens = self.layout.replica_batch_size * cfg.data.seq_len
         self.loss_parallel = t.use_loss_parallel(cfg.model.vocab_size)
 
-        # Pipeline stages this rank owns, each keeping the full model's parameter names.
         self.num_stages = self.layout.num_stages
-        ranges = self.layout.stage_layers
-        owned = self.layout.stages_of(self.coord.pp)
-        self.stages = [(i, self._build_stage(i, ranges[i])) for i in owned]
+        self.stages = build_stages(
+            cfg, self.spec, self.layout, self.mesh, device, pp_rank=self.coord.pp, loss_parallel=self.loss_parallel
+        )
         if cfg.model.init_from:  # a Hugging Face checkpoint; a resumed checkpoint loads over it
             from rayhybrid.trainer.hf_load import load_pretrained
 
@@ -72,47 +73,21 @@ class Trainer:
         self.has_first = any(i == 0 for i, _ in self.stages)
         self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
         self.params = [p for _, m in self.stages for p in m.parameters()]
-        # One optimizer per stage module, so optimizer state is keyed by that module's full
-        # parameter names (reshardable checkpoints, see trainer/checkpoint.py).
-        self.optimizers = [build_optimizer(list(m.parameters()), cfg.train) for _, m in self.stages]
-        self.schedule = None
-        if t.pp > 1:
-            self.schedule = build_schedule(
-                t.schedule,
-                self.stages,
-                num_stages=self.num_stages,
-                device=device,
-                group=self.mesh["pp"].get_group(),
-                n_microbatches=self.n_microbatches,
-                loss_fn=self.loss_fn,
-                instrument=self._instrument,
-            )
+        self.optimizers = build_optimizers(self.stages, cfg.train)
         self.timeline = Timeline(rank)
         self.trace_steps = set(cfg.metrics.trace_steps)
-        self.memory = None
-        if cfg.metrics.memory:
-            budget = cfg.tune.memory_budget_mb if device.type == "cpu" else 0.0
-            self.memory = MemoryMeter(device, [m for _, m in self.stages], self.optimizers, budget_mb=budget)
+        instrument = functools.partial(instrument_stage, timeline=self.timeline, phase=self._phase)
+        self.schedule = build_pipeline(cfg, self.layout, self.stages, self.mesh, device, self.loss_fn, instrument)
+        self.memory = build_memory_meter(cfg, device, self.stages, self.optimizers)
         self.step = 0
         self.consumed_samples = 0
-        self.stage_layers = {i: list(ranges[i]) for i in owned}
+        self.stage_layers = {i: list(self.layout.stage_layers[i]) for i, _ in self.stages}
 
     def checkpoint_meta(self) -> dict:
         """Trainer state that travels with a checkpoint, as JSON."""
-        t = self.cfg.topology
-        return {
-            "version": 1,
-            "step": self.step,
-            # The whole model config, so a checkpoint alone says what it holds (export needs it).
-            "model": dataclasses.asdict(self.cfg.model),
-            "seq_len": self.cfg.data.seq_len,
-            "consumed_samples": self.consumed_samples,
-            # The held-out loss of this very step, when it was evaluated (checkpoint.keep_best).
-            **({"val_loss": self.val_loss[1]} if self.val_loss and self.val_loss[0] == self.step else {}),
-            "global_batch_size": self.cfg.train.global_batch_size,
-            "seed": self.cfg.seed,
-            "topology": {"dp": t.dp, "pp": t.pp, "tp": t.tp, "schedule": t.schedule, "dp_shard": t.dp_shard},
-        }
+        from rayhybrid.trainer.checkpoint import trainer_meta
+
+        return trainer_meta(self)
 
     def save_checkpoint(self, root: str, keep: int, die_after_write: bool = False) -> dict:
         """Save the current step under `root` (a path or URL); returns what it did and any
@@ -140,14 +115,9 @@ class Trainer:
 
     def load_checkpoint(self, path: str, meta: dict) -> None:
         """Restore a checkpoint written under any topology; the LR schedule follows `step`."""
-        from rayhybrid.trainer import checkpoint
+        from rayhybrid.trainer.checkpoint import restore
 
-        if meta["global_batch_size"] != self.cfg.train.global_batch_size:
-            raise ValueError(
-                f"checkpoint {path} was trained with train.global_batch_size={meta['global_batch_size']}; "
-                f"resume with the same global batch (it fixes the sample stream and the LR schedule)"
-            )
-        checkpoint.load(self, path, self.cfg.checkpoint.storage_options)
+        restore(self, path, meta)
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
 
@@ -165,34 +135,6 @@ class Trainer:
             "loss_floor": self.stream.loss_floor,
         }
 
-    def _build_stage(self, index: int, layers: range) -> torch.nn.Module:
-        """One pipeline stage of the model its spec builds (full parameter names), made on the
-        meta device, materialised here, initialised, then parallelised (TP, AC, dp)."""
-        cfg = self.cfg
-        with torch.device("meta"):
-            stage = self.spec.build_stage(
-                cfg.model,
-                seq_len=cfg.data.seq_len,
-                layer_ids=layers,
-                first=index == 0,
-                last=index == self.num_stages - 1,
-            )
-        tied = shared_parameters(stage)
-        stage.to_empty(device=self.device)  # a new tensor per name: ties (a shared output) undone
-        for name, source in tied:
-            owner, _, attr = name.rpartition(".")
-            setattr(stage.get_submodule(owner), attr, stage.get_parameter(source))
-        stage.init_weights(cfg.seed)
-        return self.spec.parallelize(
-            stage,
-            tp_mesh=self.mesh["tp"],
-            dp_mesh=self.mesh["dp"],
-            dp_shard=cfg.topology.dp_shard,
-            activation_checkpointing=cfg.train.activation_checkpointing,
-            loss_parallel=self.loss_parallel,
-            reshard_after_forward=cfg.topology.pp == 1,
-        )
-
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy over the replica's token count: micro-batch losses add
         up to the replica's mean loss, and averaging over dp gives the global batch's mean."""
@@ -206,24 +148,6 @@ class Trainer:
         if self.cfg.train.dtype == "bfloat16":
             stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
         return stack
-
-    def _instrument(self, stage) -> None:
-        """Time and label a pipeline stage's chunks: spans for the timeline (and its bubble),
-        phases for the memory meter."""
-        for method, phase, letter in (
-            ("forward_one_chunk", "forward", "F"),
-            ("backward_one_chunk", "backward", "B"),
-            ("backward_weight_one_chunk", "backward", "W"),
-        ):
-            setattr(stage, method, self._chunk(getattr(stage, method), stage.stage_index, phase, letter))
-
-    def _chunk(self, fn, stage: int, phase: str, letter: str):
-        def run(chunk, *args, **kwargs):
-            self._phase(stage, phase)
-            with self.timeline.span(f"{letter}{chunk}", phase, busy=True, stage=stage, microbatch=chunk):
-                return fn(chunk, *args, **kwargs)
-
-        return run
 
     def _phase(self, stage: int, phase: str) -> None:
         if self.memory is not None:
@@ -248,7 +172,7 @@ class Trainer:
                     opt.step()
 
         with self.timeline.span("all_reduce loss", "comm"):
-            loss = self._global_loss(loss)
+            loss = self.global_loss(loss)
         self.step += 1
         self.consumed_samples += cfg.train.global_batch_size
         elapsed = time.perf_counter() - start
@@ -298,41 +222,17 @@ class Trainer:
                 return self._forward_backward(inputs, targets)
             return self._forward_backward_pipeline(inputs, targets)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """The mean token loss on the held-out data: `eval.batches` batches of the global
-        batch size, always the same samples, each replica reading its share as in training.
-        Forward only, under the training step's context (autocast, loss parallel) and through
-        the pipeline schedule's forward-only pass; the optimizer, its state, the gradients and
-        the training stream's position are not touched. Same value on every rank."""
-        cfg, t = self.cfg, self.cfg.topology
-        if self.held_out is None:
-            self.held_out = build_held_out(cfg.data, cfg.model.vocab_size, cfg.seed, self.stream)
-        meter, self.memory = self.memory, None  # what evaluation holds is not a training step's
-        self.timeline.begin_step(record=False)  # nor its spans (a traced step's are handed out)
-        global_batch = cfg.train.global_batch_size
-        total = torch.zeros((), device=self.device)
-        try:
-            for batch in range(cfg.eval.batches):
-                shard = replica_shard(batch * global_batch, global_batch, t.dp, self.coord.dp)
-                inputs = targets = None
-                if self.has_first or self.has_last:
-                    inputs, targets = self.held_out.batch(shard.start, shard.count)
-                    inputs, targets = inputs.to(self.device), targets.to(self.device)
-                with self._step_context():
-                    total += self._forward_only(inputs, targets)
-        finally:
-            self.memory = meter
-        loss = self._global_loss(total) / cfg.eval.batches
-        self.val_loss = (self.step, loss)
-        return loss
+        """The mean token loss on the held-out data (`eval.batches` global batches), forward
+        only, training left untouched; same value on every rank. See `Evaluation.run`."""
+        return self.evaluation.run(self)
 
-    def _forward_only(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+    def forward_only(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         """This rank's part of one replica batch's mean loss (non-zero on last stages only)."""
         if self.schedule is None:
             (_, model), n = self.stages[0], self.n_microbatches
             return sum(_local(self.loss_fn(model(x), y)) for x, y in zip(inputs.chunk(n), targets.chunk(n)))
-        return self._through_pipeline(functools.partial(forward_only, self.schedule), inputs, targets)
+        return self._through_pipeline(functools.partial(pipeline_forward_only, self.schedule), inputs, targets)
 
     def named_parameters(self):
         """(full-model name, parameter) for every parameter this rank holds."""
@@ -357,7 +257,7 @@ class Trainer:
 
     def _forward_backward_pipeline(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         def step(*args, **kwargs) -> None:
-            with self.timeline.pipeline(), self._timed_p2p() if self.timeline.record else contextlib.nullcontext():
+            with timed_schedule(self.timeline):
                 self.schedule.step(*args, **kwargs)
 
         return self._through_pipeline(step, inputs, targets)
@@ -374,28 +274,10 @@ class Trainer:
             return torch.stack([_local(x.detach()) for x in losses]).sum()
         return torch.zeros((), device=self.device)
 
-    @contextlib.contextmanager
-    def _timed_p2p(self):
-        """Spans for the schedule's waits on sends and receives (a traced step only): the
-        schedules wait through one module-level function, looked up at each call."""
-        from torch.distributed.pipelining import schedules
-
-        original = schedules._wait_batch_p2p
-
-        def wait(work):
-            with self.timeline.span("p2p wait", "comm"):
-                original(work)
-
-        schedules._wait_batch_p2p = wait
-        try:
-            yield
-        finally:
-            schedules._wait_batch_p2p = original
-
     def _group(self, dim: str) -> dist.ProcessGroup | None:
         return self.mesh[dim].get_group() if self.mesh[dim].size() > 1 else None
 
-    def _global_loss(self, loss: torch.Tensor) -> float:
+    def global_loss(self, loss: torch.Tensor) -> float:
         """The replica's loss lives on its last stage: sum over pp, average over dp."""
         loss = loss.detach().float().reshape(())
         if (pp := self._group("pp")) is not None:

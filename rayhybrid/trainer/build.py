@@ -1,0 +1,132 @@
+"""What a rank trains with, built from the config: its pipeline stages (the model's spec, made on
+the meta device, materialised, initialised, parallelised), one optimizer per stage, the pipeline
+schedule over them, and the memory meter.
+
+    stages = build_stages(cfg, spec, layout, mesh, device, pp_rank=coord.pp, loss_parallel=...)
+    optimizers = build_optimizers(stages, cfg.train)
+    schedule = build_pipeline(cfg, layout, stages, mesh, device, loss_fn, instrument)  # None: pp == 1
+    memory = build_memory_meter(cfg, device, stages, optimizers)  # None: metrics.memory off
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from rayhybrid.config.schema import Config, TrainConfig
+from rayhybrid.config.topology import Layout
+from rayhybrid.models.layers import shared_parameters
+from rayhybrid.models.spec import ModelSpec
+from rayhybrid.parallel.pipeline import build_schedule
+from rayhybrid.trainer.memory import MemoryMeter
+from rayhybrid.trainer.optim import build_optimizer
+
+Stages = list[tuple[int, torch.nn.Module]]
+"""(stage index, module) for each pipeline stage a rank owns, in the order it owns them."""
+
+
+def build_stages(
+    cfg: Config,
+    spec: ModelSpec,
+    layout: Layout,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    pp_rank: int,
+    loss_parallel: bool,
+) -> Stages:
+    """The pipeline stages pipeline rank `pp_rank` owns, each keeping the full model's parameter
+    names."""
+    ranges = layout.stage_layers
+    return [
+        (
+            i,
+            build_stage(
+                cfg, spec, mesh, device, i, ranges[i], num_stages=layout.num_stages, loss_parallel=loss_parallel
+            ),
+        )
+        for i in layout.stages_of(pp_rank)
+    ]
+
+
+def build_stage(
+    cfg: Config,
+    spec: ModelSpec,
+    mesh: DeviceMesh,
+    device: torch.device,
+    index: int,
+    layers: range,
+    *,
+    num_stages: int,
+    loss_parallel: bool,
+) -> torch.nn.Module:
+    """One pipeline stage of the model its spec builds (full parameter names), made on the
+    meta device, materialised here, initialised, then parallelised (TP, AC, dp)."""
+    with torch.device("meta"):
+        stage = spec.build_stage(
+            cfg.model,
+            seq_len=cfg.data.seq_len,
+            layer_ids=layers,
+            first=index == 0,
+            last=index == num_stages - 1,
+        )
+    tied = shared_parameters(stage)
+    stage.to_empty(device=device)  # a new tensor per name: ties (a shared output) undone
+    for name, source in tied:
+        owner, _, attr = name.rpartition(".")
+        setattr(stage.get_submodule(owner), attr, stage.get_parameter(source))
+    stage.init_weights(cfg.seed)
+    return spec.parallelize(
+        stage,
+        tp_mesh=mesh["tp"],
+        dp_mesh=mesh["dp"],
+        dp_shard=cfg.topology.dp_shard,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        loss_parallel=loss_parallel,
+        reshard_after_forward=cfg.topology.pp == 1,
+    )
+
+
+def build_optimizers(stages: Stages, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
+    """One optimizer per stage module, so optimizer state is keyed by that module's full
+    parameter names (reshardable checkpoints, see trainer/checkpoint.py)."""
+    return [build_optimizer(list(m.parameters()), cfg) for _, m in stages]
+
+
+def build_pipeline(
+    cfg: Config,
+    layout: Layout,
+    stages: Stages,
+    mesh: DeviceMesh,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    instrument: Callable | None = None,
+):
+    """The pipeline schedule (`topology.schedule`) over this rank's stages; None without a
+    pipeline (pp == 1). `instrument` is called with each of its `PipelineStage`s."""
+    t = cfg.topology
+    if t.pp <= 1:
+        return None
+    return build_schedule(
+        t.schedule,
+        stages,
+        num_stages=layout.num_stages,
+        device=device,
+        group=mesh["pp"].get_group(),
+        n_microbatches=layout.num_microbatches,
+        loss_fn=loss_fn,
+        instrument=instrument,
+    )
+
+
+def build_memory_meter(
+    cfg: Config, device: torch.device, stages: Stages, optimizers: list[torch.optim.Optimizer]
+) -> MemoryMeter | None:
+    """The memory meter (`metrics.memory`), or None. On CPU, `tune.memory_budget_mb` is the
+    capacity of the device it plays."""
+    if not cfg.metrics.memory:
+        return None
+    budget = cfg.tune.memory_budget_mb if device.type == "cpu" else 0.0
+    return MemoryMeter(device, [m for _, m in stages], optimizers, budget_mb=budget)
