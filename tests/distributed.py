@@ -403,6 +403,8 @@ def train_save_resume(rank: int, fresh: dict, source: str, root: str, before: in
         except Exception as exc:
             raise RuntimeError(f"config {label!r} failed on rank {rank}") from exc
         del tr
+    # Rank 0 commits once every rank's upload is done: the others wait for that before they look.
+    torch.distributed.barrier()
     ckpt = checkpoint_store.latest(root)
     for label, cfg in resume.items():
         try:
