@@ -495,3 +495,33 @@ def test_planned_probes():
     assert space.planned_probes(2, (1, 2)) == (1, 2)
     assert space.planned_probes(1, (3, 7)) == (3, 7)
     assert space.planned_probes(0, (1, 2)) == (1, 2)
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("metric", ["tokens_per_cpu_s", "tokens_per_s"])
+def test_the_report_lists_each_column_once(cfg, tmp_path, capsys, metric):
+    """tune_results.csv's header and the printed table's name every column once (a layout search
+    prints the topology columns too, and on CPU the CPU-time column)."""
+    import csv
+
+    from rayhybrid.tune import report
+
+    plan = LayoutPlan(cfg, 8, 8, GLOBAL_BATCH, BUDGET_MB, max_trials=5, metric=metric, baseline=baseline_point(cfg))
+    drive(plan, Runner(cfg, BUDGET_MB, layout_speed((2, 2, 2))))
+    assert len({r.point.layout[:3] for r in plan.records}) > 1  # trials on several layouts
+    capsys.readouterr()
+    report.write(cfg, plan, tmp_path, 1.0, ["+topology=dp2_pp2_tp2"])
+    printed = capsys.readouterr().out.strip().split("\n\ntrain with:")[0].splitlines()
+
+    with open(tmp_path / "tune_results.csv", newline="") as f:
+        header = next(csv.reader(f))
+    assert len(header) == len(set(header)), header
+    assert header == list(report.COLUMNS)
+    table_header = printed[0].split()
+    assert len(table_header) == len(set(table_header)), table_header
+    assert {"dp", "pp", "tp", "schedule", "shard", "tokens/s"} <= set(table_header)
+    assert ("tokens/CPU-s" in table_header) == (metric == "tokens_per_cpu_s")
+    assert len(printed) == 1 + len(plan.records)
+    assert {len(line) for line in printed} == {len(printed[0])}  # right-aligned cells, one per column

@@ -87,41 +87,11 @@ class LayoutPlan:
         self.records: list[Record] = []
         self.planned: dict[Point, float] = {}  # every point that validates -> its planned peak MB
         self._pending: tuple[Point, str] | None = None
-        settings = [bool(ac) for ac in dict.fromkeys(activation_checkpointing)]
-        self.layouts = []
-        for dp, pp, tp in factorizations(devices, devices_per_node):
-            if global_batch % dp:
-                continue
-            found = False
-            schedules = list(STAGES_PER_RANK) if pp > 1 else ["1f1b"]
-            for schedule in schedules:
-                for dp_shard in (False, True) if dp > 1 else (False,):
-                    base = _layout_point(dp, pp, tp, schedule, dp_shard, False, 1, global_batch // dp).as_config("")
-                    for m in batch_sizes(cfg, global_batch // dp, base):
-                        for ac in settings:
-                            point = _layout_point(dp, pp, tp, schedule, dp_shard, ac, m, global_batch // dp)
-                            planned = self._plan(point)
-                            if planned is None:
-                                raise ValueError("a layout search needs the planner's memory model for the model")
-                            self.planned[point] = planned
-                            found = True
-            if found:
-                self.layouts.append((dp, pp, tp))
+        self.layouts: list[tuple[int, int, int]] = []  # the (dp, pp, tp) with a point that validates
+        self._enumerate(global_batch, [bool(ac) for ac in dict.fromkeys(activation_checkpointing)])
         self.fitting = [p for p, mb in self.planned.items() if mb <= self.limit_mb]
         self.pruned = len(self.planned) - len(self.fitting)
-        reps = sorted(
-            (r for r in (self._representative(layout) for layout in self.layouts) if r is not None),
-            key=self._promise,
-        )
-        self._queue: list[tuple[Point, str]] = []
-        if baseline is not None and is_valid(trial_config(cfg, baseline.as_config(""))):
-            planned = self.planned.get(baseline) or self._plan(baseline)
-            if planned <= self.limit_mb:
-                self.planned[baseline] = planned
-                self._queue.append((baseline, "baseline"))
-            else:
-                log.info("the base config is planned at %.2f MB, over the budget: no baseline trial", planned)
-        self._queue += [(p, "layout") for p in reps[: max(1, max_trials - 3)]]
+        self._queue = self._first_trials(baseline)
         log.info(
             "layout search: %d layouts, %d points that validate, %d pruned by planned memory over %.1f MB; "
             "at most %d trials",
@@ -131,6 +101,45 @@ class LayoutPlan:
             self.limit_mb,
             max_trials,
         )
+
+    def _enumerate(self, global_batch: int, settings: list[bool]) -> None:
+        """Every point that validates, with its planned peak (`planned`), and the layouts they
+        are on (`layouts`)."""
+        for dp, pp, tp in factorizations(self.devices, self.devices_per_node):
+            if global_batch % dp:
+                continue
+            found = False
+            schedules = list(STAGES_PER_RANK) if pp > 1 else ["1f1b"]
+            for schedule in schedules:
+                for dp_shard in (False, True) if dp > 1 else (False,):
+                    base = _layout_point(dp, pp, tp, schedule, dp_shard, False, 1, global_batch // dp).as_config("")
+                    for m in batch_sizes(self.cfg, global_batch // dp, base):
+                        for ac in settings:
+                            point = _layout_point(dp, pp, tp, schedule, dp_shard, ac, m, global_batch // dp)
+                            planned = self._plan(point)
+                            if planned is None:
+                                raise ValueError("a layout search needs the planner's memory model for the model")
+                            self.planned[point] = planned
+                            found = True
+            if found:
+                self.layouts.append((dp, pp, tp))
+
+    def _first_trials(self, baseline: Point | None) -> list[tuple[Point, str]]:
+        """Phases 1 and 2: the baseline (when it validates and fits), then one representative
+        per layout, the most promising first."""
+        reps = sorted(
+            (r for r in (self._representative(layout) for layout in self.layouts) if r is not None),
+            key=self._promise,
+        )
+        queue: list[tuple[Point, str]] = []
+        if baseline is not None and is_valid(trial_config(self.cfg, baseline.as_config(""))):
+            planned = self.planned.get(baseline) or self._plan(baseline)
+            if planned <= self.limit_mb:
+                self.planned[baseline] = planned
+                queue.append((baseline, "baseline"))
+            else:
+                log.info("the base config is planned at %.2f MB, over the budget: no baseline trial", planned)
+        return queue + [(p, "layout") for p in reps[: max(1, self.max_trials - 3)]]
 
     # -- choosing ---------------------------------------------------------------------------
 

@@ -113,6 +113,8 @@ def planner_error(plan) -> dict | None:
 
 
 def write(cfg: Config, plan, out: Path, wall_s: float, user_overrides: list[str] | None = None) -> dict:
+    """Write the run directory's files, print the table and the training command; returns the
+    summary (tune_summary.json)."""
     rows = _rows(cfg, plan)
     with open(out / "tune_results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -129,34 +131,55 @@ def write(cfg: Config, plan, out: Path, wall_s: float, user_overrides: list[str]
         "planner_error": planner_error(plan),
         "best": None,
     }
-    if layout:
-        summary["layouts"] = [list(x) for x in plan.layouts]
-        summary["points"] = len(plan.planned)
-        summary["pruned_by_planned_memory"] = plan.pruned
-    else:
-        summary["global_batch_size"] = plan.per_replica * cfg.topology.dp or None
-        summary["largest_micro_batch"] = {str(ac).lower(): s.best for ac, s in plan.searches.items()}
-        summary["memory_trials"] = {str(ac).lower(): len(s.trials) for ac, s in plan.searches.items()}
-        summary["skipped_over_planned_memory"] = [
-            {**p.as_config("throughput"), "planned_mb": round(mb, 4)} for p, mb in plan.skipped
-        ]
-        for p, mb in plan.skipped:
-            log.info(
-                "not run: micro-batch %d x %d%s, planned %.2f MB > budget",
-                p.micro_batch_size,
-                p.num_microbatches,
-                " with checkpointing" if p.activation_checkpointing else "",
-                mb,
-            )
-    best = plan.best
-    if best is not None:
-        overrides = training_overrides(cfg, best)
-        command = training_command(list(user_overrides or []), overrides)
-        (out / "best.yaml").write_text(
-            "# The fastest configuration that fitted the memory budget; train with:\n"
-            f"#   {command}\n" + "".join(f"{o.replace('=', ': ', 1)}\n" for o in overrides)
+    summary.update(_layout_summary(plan) if layout else _micro_batch_summary(cfg, plan))
+    if plan.best is not None:
+        summary.update(_best(cfg, plan, out, list(user_overrides or [])))
+    summary["plots"] = _layout_plot(plan, out) if layout else _plots(plan, out)
+    (out / "tune_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log.info("tuning done: %d trials in %.1fs; results in %s", len(plan.records), wall_s, out)
+    if plan.best is not None:
+        print(f"\ntrain with:\n  {summary['best']['command']}", flush=True)
+    return summary
+
+
+def _layout_summary(plan: LayoutPlan) -> dict:
+    return {
+        "layouts": [list(x) for x in plan.layouts],
+        "points": len(plan.planned),
+        "pruned_by_planned_memory": plan.pruned,
+    }
+
+
+def _micro_batch_summary(cfg: Config, plan: TunePlan) -> dict:
+    for p, mb in plan.skipped:
+        log.info(
+            "not run: micro-batch %d x %d%s, planned %.2f MB > budget",
+            p.micro_batch_size,
+            p.num_microbatches,
+            " with checkpointing" if p.activation_checkpointing else "",
+            mb,
         )
-        summary["best"] = {
+    return {
+        "global_batch_size": plan.per_replica * cfg.topology.dp or None,
+        "largest_micro_batch": {str(ac).lower(): s.best for ac, s in plan.searches.items()},
+        "memory_trials": {str(ac).lower(): len(s.trials) for ac, s in plan.searches.items()},
+        "skipped_over_planned_memory": [
+            {**p.as_config("throughput"), "planned_mb": round(mb, 4)} for p, mb in plan.skipped
+        ],
+    }
+
+
+def _best(cfg: Config, plan, out: Path, user_overrides: list[str]) -> dict:
+    """The best trial: best.yaml, and the summary's "best" (and a layout search's "baseline")."""
+    best = plan.best
+    overrides = training_overrides(cfg, best)
+    command = training_command(user_overrides, overrides)
+    (out / "best.yaml").write_text(
+        "# The fastest configuration that fitted the memory budget; train with:\n"
+        f"#   {command}\n" + "".join(f"{o.replace('=', ': ', 1)}\n" for o in overrides)
+    )
+    summary: dict = {
+        "best": {
             "overrides": overrides,
             "command": command,
             "tokens_per_s": round(best.tokens_per_s, 1),
@@ -164,26 +187,22 @@ def write(cfg: Config, plan, out: Path, wall_s: float, user_overrides: list[str]
             "peak_mb": round(best.peak_mb, 4),
             "planned_mb": _rounded(best.planned_mb),
         }
-        baseline = plan.baseline if layout else None
-        if baseline is not None and baseline.fits(plan.budget_mb):
-            summary["baseline"] = {
-                "overrides": training_overrides(cfg, baseline),
-                plan.metric: round(baseline.speed(plan.metric), 1),
-                "speedup": round(best.speed(plan.metric) / baseline.speed(plan.metric), 3),
-            }
-        log.info(
-            "best: %s (%.0f %s, peak %.2f MB of %.2f MB)",
-            " ".join(overrides),
-            best.speed(plan.metric),
-            plan.metric.replace("tokens_per_", "tok/").replace("cpu_s", "CPU-s"),
-            best.peak_mb,
-            plan.budget_mb,
-        )
-    summary["plots"] = _layout_plot(plan, out) if layout else _plots(plan, out)
-    (out / "tune_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log.info("tuning done: %d trials in %.1fs; results in %s", len(plan.records), wall_s, out)
-    if best is not None:
-        print(f"\ntrain with:\n  {summary['best']['command']}", flush=True)
+    }
+    baseline = plan.baseline if isinstance(plan, LayoutPlan) else None
+    if baseline is not None and baseline.fits(plan.budget_mb):
+        summary["baseline"] = {
+            "overrides": training_overrides(cfg, baseline),
+            plan.metric: round(baseline.speed(plan.metric), 1),
+            "speedup": round(best.speed(plan.metric) / baseline.speed(plan.metric), 3),
+        }
+    log.info(
+        "best: %s (%.0f %s, peak %.2f MB of %.2f MB)",
+        " ".join(overrides),
+        best.speed(plan.metric),
+        plan.metric.replace("tokens_per_", "tok/").replace("cpu_s", "CPU-s"),
+        best.peak_mb,
+        plan.budget_mb,
+    )
     return summary
 
 

@@ -228,91 +228,122 @@ def layout_plan(cfg: Config, budget: float, cuda: bool, metric: str, gpus_per_no
 
 def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
     """Connect, search, write the outputs; returns the summary (also in tune_summary.json)."""
-    from ray import tune
-
-    from rayhybrid.cluster.connect import alive_nodes, connect, resolve_shape
-    from rayhybrid.cluster.placement import check_capacity
+    from rayhybrid.cluster.connect import connect
     from rayhybrid.tune import report
 
     out = Path(cfg.run_dir or ".").resolve()
     out.mkdir(parents=True, exist_ok=True)
     started_ray = connect(cfg)
     host = None
-    layout = cfg.tune.search == "layout"
     try:
-        shape = resolve_shape(cfg)
-        t = cfg.topology
-        if layout:  # every layout places `devices` ranks
-            check_capacity(dataclasses.replace(shape, pp=1, tp=1), layout_devices(cfg))
-        else:
-            check_capacity(shape, t.dp)
-        budget = cfg.tune.memory_budget_mb
-        if budget <= 0:
-            if not shape.use_gpu:
-                raise ConfigError(
-                    "tune.memory_budget_mb",
-                    "is required on CPU, where it plays the device capacity per rank; e.g. tune.memory_budget_mb=64",
-                )
-            budget = device_capacity_mb(shape)
+        shape = _checked_shape(cfg)
+        budget = resolve_budget_mb(cfg, shape)
         cfg = replace(cfg, tune={"memory_budget_mb": budget})
-        # On CPU the ranks share the cores: wall time measures the machine, not the layout. Rank
-        # by the busiest rank's CPU time instead (it leaves out time spent waiting).
-        metric = "tokens_per_s" if shape.use_gpu else "tokens_per_cpu_s"
-        source = "GPU capacity" if shape.use_gpu and cfg.tune.memory_budget_mb <= 0 else "tune.memory_budget_mb"
-        if layout:
-            gpus = max((n.get("Resources", {}).get("GPU", 0) for n in alive_nodes()), default=0)
-            plan = layout_plan(cfg, budget, shape.use_gpu, metric, int(gpus))
-            if not plan.planned:
-                raise ConfigError(
-                    "tune.devices",
-                    f"no layout of {plan.devices} devices ({plan.devices_per_node} per node) is valid for this model "
-                    f"and global batch {fixed_global_batch(cfg)}; change tune.devices or tune.global_batch_size",
-                )
-            if not plan.fitting:
-                raise RayHybridError(
-                    f"no layout of {plan.devices} devices is planned to fit "
-                    f"tune.memory_budget_mb={budget:g} ({plan.pruned} points over it); raise the budget or the devices"
-                )
-            log.info("tune: layout search, budget %.1f MB per rank (%s), ranked by %s", budget, source, metric)
-        else:
-            plan = micro_batch_plan(cfg, budget, shape.use_gpu, metric)
-            g = fixed_global_batch(cfg)
-            log.info(
-                "tune: dp %d x pp %d x tp %d, budget %.1f MB per rank (%s); %s; activation checkpointing %s; "
-                "first probes %s; ranked by %s",
-                t.dp,
-                t.pp,
-                t.tp,
-                budget,
-                source,
-                f"global batch fixed at {g}" if g else f"memory search at {first_microbatches(cfg)} micro-batch(es)",
-                "/".join("on" if ac else "off" for ac in plan.searches),
-                ", ".join(f"{s.probes}" for s in plan.searches.values()),
-                metric,
-            )
+        plan = search_plan(cfg, shape, budget)
         host = ray.remote(num_cpus=0)(TrialHost).remote(cfg, shape)
-        searcher = PlanSearcher(plan)
-        start = time.perf_counter()
-        tuner = tune.Tuner(
-            # Trials only call the host: no CPU of their own (Tune wants some resource: a few bytes).
-            tune.with_resources(tune.with_parameters(_trial, host=host), {"cpu": 0, "memory": 1024}),
-            tune_config=tune.TuneConfig(search_alg=searcher, num_samples=MAX_TRIALS, max_concurrent_trials=1),
-            run_config=tune.RunConfig(storage_path=str(out), name="ray_tune", verbose=0),
-        )
-        tuner.fit()
-        wall = time.perf_counter() - start
+        wall = _run_trials(plan, host, out)
     finally:
-        if host is not None:
-            try:
-                ray.get(host.shutdown.remote(), timeout=60)
-            except (ray.exceptions.RayError, TimeoutError):
-                pass
-        if started_ray:
-            ray.shutdown()
+        _release(host, started_ray)
     summary = report.write(cfg, plan, out, wall, list(overrides))
     if plan.best is None:
         raise RayHybridError(f"no trial fitted tune.memory_budget_mb={budget:g}; see {out / 'tune_results.csv'}")
     return summary
+
+
+def _checked_shape(cfg: Config):
+    """The cluster's shape for this config, once it is known to hold the ranks a trial places."""
+    from rayhybrid.cluster.connect import resolve_shape
+    from rayhybrid.cluster.placement import check_capacity
+
+    shape = resolve_shape(cfg)
+    if cfg.tune.search == "layout":  # every layout places `devices` ranks
+        check_capacity(dataclasses.replace(shape, pp=1, tp=1), layout_devices(cfg))
+    else:
+        check_capacity(shape, cfg.topology.dp)
+    return shape
+
+
+def resolve_budget_mb(cfg: Config, shape) -> float:
+    """tune.memory_budget_mb, or on GPUs (when it is 0) one GPU's capacity."""
+    budget = cfg.tune.memory_budget_mb
+    if budget <= 0:
+        if not shape.use_gpu:
+            raise ConfigError(
+                "tune.memory_budget_mb",
+                "is required on CPU, where it plays the device capacity per rank; e.g. tune.memory_budget_mb=64",
+            )
+        budget = device_capacity_mb(shape)
+    return budget
+
+
+def search_plan(cfg: Config, shape, budget: float):
+    """The `TunePlan` or `LayoutPlan` that tune.search asks for, logged (`cfg` carries the budget)."""
+    from rayhybrid.cluster.connect import alive_nodes
+
+    # On CPU the ranks share the cores: wall time measures the machine, not the layout. Rank
+    # by the busiest rank's CPU time instead (it leaves out time spent waiting).
+    metric = "tokens_per_s" if shape.use_gpu else "tokens_per_cpu_s"
+    source = "GPU capacity" if shape.use_gpu and cfg.tune.memory_budget_mb <= 0 else "tune.memory_budget_mb"
+    if cfg.tune.search == "layout":
+        gpus = max((n.get("Resources", {}).get("GPU", 0) for n in alive_nodes()), default=0)
+        plan = layout_plan(cfg, budget, shape.use_gpu, metric, int(gpus))
+        if not plan.planned:
+            raise ConfigError(
+                "tune.devices",
+                f"no layout of {plan.devices} devices ({plan.devices_per_node} per node) is valid for this model "
+                f"and global batch {fixed_global_batch(cfg)}; change tune.devices or tune.global_batch_size",
+            )
+        if not plan.fitting:
+            raise RayHybridError(
+                f"no layout of {plan.devices} devices is planned to fit "
+                f"tune.memory_budget_mb={budget:g} ({plan.pruned} points over it); raise the budget or the devices"
+            )
+        log.info("tune: layout search, budget %.1f MB per rank (%s), ranked by %s", budget, source, metric)
+        return plan
+    t = cfg.topology
+    plan = micro_batch_plan(cfg, budget, shape.use_gpu, metric)
+    g = fixed_global_batch(cfg)
+    log.info(
+        "tune: dp %d x pp %d x tp %d, budget %.1f MB per rank (%s); %s; activation checkpointing %s; "
+        "first probes %s; ranked by %s",
+        t.dp,
+        t.pp,
+        t.tp,
+        budget,
+        source,
+        f"global batch fixed at {g}" if g else f"memory search at {first_microbatches(cfg)} micro-batch(es)",
+        "/".join("on" if ac else "off" for ac in plan.searches),
+        ", ".join(f"{s.probes}" for s in plan.searches.values()),
+        metric,
+    )
+    return plan
+
+
+def _run_trials(plan, host, out: Path) -> float:
+    """Ray Tune runs the plan's trials one at a time on `host`; the seconds it took."""
+    from ray import tune
+
+    searcher = PlanSearcher(plan)
+    start = time.perf_counter()
+    tuner = tune.Tuner(
+        # Trials only call the host: no CPU of their own (Tune wants some resource: a few bytes).
+        tune.with_resources(tune.with_parameters(_trial, host=host), {"cpu": 0, "memory": 1024}),
+        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=MAX_TRIALS, max_concurrent_trials=1),
+        run_config=tune.RunConfig(storage_path=str(out), name="ray_tune", verbose=0),
+    )
+    tuner.fit()
+    return time.perf_counter() - start
+
+
+def _release(host, started_ray: bool) -> None:
+    """Shut the trial host's workers down, and Ray if this run started it."""
+    if host is not None:
+        try:
+            ray.get(host.shutdown.remote(), timeout=60)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
+    if started_ray:
+        ray.shutdown()
 
 
 def tune_main(overrides: list[str], run_dir: str | Path | None = None) -> dict:

@@ -199,60 +199,79 @@ class MicroBatchSearch:
         lo = max(fitted, default=0)
         hi = min((m for m in missed if m > lo), default=None)
         if not fitted:
-            # Nothing fits yet (the probes were placed too high): halve below the smallest miss.
-            below = self._between(0, min(missed))
-            if not below:
-                return None  # the smallest size does not fit: no answer
-            half = self._floor(min(missed) // 2) or below[0]
-            return half if half not in tried else None
+            return self._below_the_smallest_miss(min(missed), tried)
         if hi is None and self.probes[1] not in tried and self.probes[1] > lo:
             return self.probes[1]
+        self._refit()
+        self._settle_ramp()
+        if hi is None:
+            return self._beyond_the_largest_fit(lo, tried)
+        return self._inside_the_gap(lo, hi, tried)
+
+    def _below_the_smallest_miss(self, smallest_miss: int, tried: set[int]) -> int | None:
+        """Nothing fits yet (the probes were placed too high): halve below the smallest miss."""
+        below = self._between(0, smallest_miss)
+        if not below:
+            return None  # the smallest size does not fit: no answer
+        half = self._floor(smallest_miss // 2) or below[0]
+        return half if half not in tried else None
+
+    def _refit(self) -> None:
+        """Refit on the two largest sizes measured: memory is convex in the micro-batch (a fixed
+        level can dominate small sizes, activations large ones), so the points nearest the
+        answer give the line that matters there."""
         measured = sorted({t.micro_batch_size for t in self.trials if t.peaks_mb})
         if len(measured) >= 2:
-            # Refit on the two largest sizes measured: memory is convex in the micro-batch
-            # (a fixed level can dominate small sizes, activations large ones), so the points
-            # nearest the answer give the line that matters there.
             self.model = LinearMemoryModel.fit([t for t in self.trials if t.micro_batch_size in measured[-2:]])
-        limit = self.budget_mb * (1 - self.margin)
-        if self._ramp is not None:
-            ramp, expected = self._ramp
-            last = self.trials[-1]
-            if last.micro_batch_size == ramp and last.peaks_mb:
-                measured_peak = max(last.peaks_mb.values())
-                self._line_confirmed = abs(expected - measured_peak) <= RAMP_AGREEMENT * measured_peak
-            self._ramp = None
-        if hi is None:
-            if self.model is None:
-                return None
-            edge = self._floor(self.model.largest_under(self.budget_mb, self.max_micro_batch))
-            if not self._edge_tried:
-                # 1. The prediction under the margin, approached in RAMP-fold steps when far
-                #    beyond anything measured (the probes may sit where a fixed level hides the
-                #    activations' growth).
-                prediction = self._floor(self.model.largest_under(limit, self.max_micro_batch))
-                if prediction > lo and prediction not in tried:
-                    ramp = self._floor(RAMP * max(measured))
-                    if prediction > ramp > lo and ramp not in tried and not self._line_confirmed:
-                        self._ramp = (ramp, self.model.peak(ramp))
-                        return ramp
-                    self.prediction = prediction
-                    return prediction
-            # 2. It fitted: the line refitted through it is exact near the edge, so step to the
-            #    largest size it puts under the whole budget (the margin's worth at once, not
-            #    one size per trial); after that, only a step of more than TOLERANCE is worth it.
-            if edge <= lo or edge in tried or (self._edge_tried and lo >= (1 - self.tolerance) * edge):
-                return None
-            self._edge_tried = True
-            self.prediction = edge
-            return edge
-        # A miss above the largest fit: done when no size between them is worth a trial.
+
+    def _settle_ramp(self) -> None:
+        """After a RAMP step: did it measure what the line predicted for it?"""
+        if self._ramp is None:
+            return
+        ramp, expected = self._ramp
+        last = self.trials[-1]
+        if last.micro_batch_size == ramp and last.peaks_mb:
+            measured_peak = max(last.peaks_mb.values())
+            self._line_confirmed = abs(expected - measured_peak) <= RAMP_AGREEMENT * measured_peak
+        self._ramp = None
+
+    def _beyond_the_largest_fit(self, lo: int, tried: set[int]) -> int | None:
+        """No miss above the largest fit `lo`: the line's prediction, then its edge."""
+        if self.model is None:
+            return None
+        edge = self._floor(self.model.largest_under(self.budget_mb, self.max_micro_batch))
+        if not self._edge_tried:
+            # 1. The prediction under the margin, approached in RAMP-fold steps when far
+            #    beyond anything measured (the probes may sit where a fixed level hides the
+            #    activations' growth).
+            prediction = self._floor(self.model.largest_under(self._limit, self.max_micro_batch))
+            if prediction > lo and prediction not in tried:
+                largest_measured = max(t.micro_batch_size for t in self.trials if t.peaks_mb)
+                ramp = self._floor(RAMP * largest_measured)
+                if prediction > ramp > lo and ramp not in tried and not self._line_confirmed:
+                    self._ramp = (ramp, self.model.peak(ramp))
+                    return ramp
+                self.prediction = prediction
+                return prediction
+        # 2. It fitted: the line refitted through it is exact near the edge, so step to the
+        #    largest size it puts under the whole budget (the margin's worth at once, not
+        #    one size per trial); after that, only a step of more than TOLERANCE is worth it.
+        if edge <= lo or edge in tried or (self._edge_tried and lo >= (1 - self.tolerance) * edge):
+            return None
+        self._edge_tried = True
+        self.prediction = edge
+        return edge
+
+    def _inside_the_gap(self, lo: int, hi: int, tried: set[int]) -> int | None:
+        """A miss `hi` above the largest fit `lo`: done when no size between them is worth a
+        trial."""
         between = self._between(lo, hi)
         if not between or lo >= (1 - self.tolerance) * between[-1]:
             return None
         # The refitted line predicts inside the gap (a secant step), under the margin first;
         # otherwise (no line, or one that points past the miss) bisect.
         if self.model is not None:
-            for cap in (limit, self.budget_mb):
+            for cap in (self._limit, self.budget_mb):
                 prediction = self._floor(self.model.largest_under(cap, self.max_micro_batch))
                 if lo < prediction < hi and prediction not in tried:
                     self.prediction = prediction
@@ -260,6 +279,11 @@ class MicroBatchSearch:
             if prediction <= lo:
                 return between[0]  # the line puts the edge at the largest fit: check the next size
         return between[(len(between) - 1) // 2]  # nothing between lo and hi was tried
+
+    @property
+    def _limit(self) -> float:
+        """The budget less the safety margin: where predictions aim."""
+        return self.budget_mb * (1 - self.margin)
 
 
 PEAK_PREFIX = "peak_mb/"  # result keys "peak_mb/<rank/stage/phase>" carry a trial's peaks
