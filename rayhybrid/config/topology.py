@@ -112,8 +112,7 @@ SCHEDULES: dict[str, Schedule] = {
     "interleaved_zb": Schedule(stages_per_rank=None, zero_bubble=True),
     "zbv": Schedule(stages_per_rank=2, v_shaped=True, zero_bubble=True),
 }
-"""The one table of the schedules rayhybrid runs (torch.distributed.pipelining's), in the order
-the tuner tries them."""
+"""The one table of the schedules rayhybrid runs (torch.distributed.pipelining's)."""
 V_SHAPED = tuple(name for name, s in SCHEDULES.items() if s.v_shaped)
 MULTI_STAGE = tuple(name for name, s in SCHEDULES.items() if s.stages_per_rank != 1)
 """Schedules whose ranks hold more than one stage (torch's multi-stage runtime schedules)."""

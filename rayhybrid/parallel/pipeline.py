@@ -15,6 +15,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
     _add_send_recv,
     _add_unshard_reshard,
     _ComputationType,
@@ -28,7 +29,6 @@ SCHEDULE_CLASSES = {
     "interleaved_zb": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
 }
-SINGLE_STAGE = {"gpipe", "1f1b"}
 
 
 def build_schedule(
@@ -53,7 +53,7 @@ def build_schedule(
     for stage in pipeline_stages if instrument is not None else ():
         instrument(stage)
     cls = SCHEDULE_CLASSES[schedule]
-    if schedule in SINGLE_STAGE:
+    if issubclass(cls, PipelineScheduleSingle):  # torch's one-stage-per-rank schedules
         (stage,) = pipeline_stages
         return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -33,7 +33,6 @@ FLOAT = 4  # float32: parameters, gradients, optimizer state, the residual strea
 BF16 = 2
 INT64 = 8  # token ids
 MB = 2**20
-RUNTIME_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv")
 """Multi-stage schedules run by torch's `_PipelineScheduleRuntime`, which waits for its sends only
 at the end of the step."""
 

@@ -33,12 +33,15 @@ from __future__ import annotations
 import logging
 
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import SCHEDULES
 from rayhybrid.tune.plan import Point, Record, fastest, record_of
 from rayhybrid.tune.space import batch_sizes, is_valid, planned_peak_mb, trial_config
 
 log = logging.getLogger("rayhybrid")
 
-STAGES_PER_RANK = {"1f1b": 1, "gpipe": 1, "zbv": 2, "interleaved_1f1b": 2, "interleaved_zb": 2}
+TRY_ORDER = ("1f1b", "gpipe", "zbv", "interleaved_1f1b", "interleaved_zb")
+"""The schedules in the order the layout search tries them."""
+STAGES_PER_RANK = {schedule: SCHEDULES[schedule].default_stages_per_rank for schedule in TRY_ORDER}
 """The schedules a layout search tries, with the stages per rank it gives each (the order is the
 order phase 3 tries them in after the representative's 1F1B)."""
 

@@ -18,28 +18,30 @@ from rayhybrid.tune.space import TOPOLOGY_FIELDS, topology_fields
 
 log = logging.getLogger("rayhybrid")
 
-COLUMNS = (
-    "trial",
-    "purpose",
-    "dp",
-    "pp",
-    "tp",
-    "schedule",
-    "dp_shard",
-    "micro_batch_size",
-    "num_microbatches",
-    "global_batch_size",
-    "activation_checkpointing",
-    "peak_mb",
-    "planned_mb",
-    "predicted_peak_mb",
-    "budget_mb",
-    "oom",
-    "fits",
-    "tokens_per_s",
-    "tokens_per_cpu_s",
-    "error",
-)
+COLUMNS = {
+    "trial": "trial",
+    "purpose": "purpose",
+    "dp": "dp",
+    "pp": "pp",
+    "tp": "tp",
+    "schedule": "schedule",
+    "dp_shard": "shard",
+    "micro_batch_size": "mb",
+    "num_microbatches": "n_micro",
+    "global_batch_size": "G",
+    "activation_checkpointing": "AC",
+    "peak_mb": "peak_mb",
+    "planned_mb": "planned",
+    "predicted_peak_mb": "fitted",
+    "budget_mb": None,
+    "oom": "oom",
+    "fits": "fits",
+    "tokens_per_s": "tokens/s",
+    "tokens_per_cpu_s": "tokens/CPU-s",
+    "error": None,
+}
+"""tune_results.csv's columns in order, each with its label in the printed table (None: the
+CSV only). The printed table shows tokens/CPU-s only when trials are ranked by it."""
 
 
 def _topology(cfg: Config, r: Record) -> dict:
@@ -117,7 +119,7 @@ def write(cfg: Config, plan, out: Path, wall_s: float, user_overrides: list[str]
     summary (tune_summary.json)."""
     rows = _rows(cfg, plan)
     with open(out / "tune_results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
         writer.writeheader()
         writer.writerows(rows)
     _print_table(rows, plan.metric)
@@ -207,27 +209,7 @@ def _best(cfg: Config, plan, out: Path, user_overrides: list[str]) -> dict:
 
 
 def _print_table(rows: list[dict], metric: str = "tokens_per_s") -> None:
-    columns = {
-        "trial": "trial",
-        "purpose": "purpose",
-        "dp": "dp",
-        "pp": "pp",
-        "tp": "tp",
-        "schedule": "schedule",
-        "dp_shard": "shard",
-        "micro_batch_size": "mb",
-        "num_microbatches": "n_micro",
-        "global_batch_size": "G",
-        "activation_checkpointing": "AC",
-        "peak_mb": "peak_mb",
-        "planned_mb": "planned",
-        "predicted_peak_mb": "fitted",
-        "oom": "oom",
-        "fits": "fits",
-        "tokens_per_s": "tokens/s",
-    }
-    if metric == "tokens_per_cpu_s":
-        columns["tokens_per_cpu_s"] = "tokens/CPU-s"
+    columns = {k: label for k, label in COLUMNS.items() if label and (k != "tokens_per_cpu_s" or metric == k)}
     if len({(r["dp"], r["pp"], r["tp"], r["schedule"], r["dp_shard"]) for r in rows}) <= 1:
         for key in ("dp", "pp", "tp", "schedule", "dp_shard"):  # one topology: it goes without saying
             columns.pop(key)
