@@ -79,7 +79,9 @@ def arrows_up() -> list[str]:
         for target in internal_imports(path):
             there = room(target)
             if there != here and FLOORS[there] >= FLOORS[here]:
-                bad.append(f"{module_name(path)} -> {target} ({here} floor {FLOORS[here]}, {there} floor {FLOORS[there]})")
+                bad.append(
+                    f"{module_name(path)} -> {target} ({here} floor {FLOORS[here]}, {there} floor {FLOORS[there]})"
+                )
     return sorted(bad)
 
 
@@ -115,6 +117,16 @@ def test_no_class_over_300_and_no_function_over_60_lines():
         if lines > (MAX_CLASS_LINES if kind == "class" else MAX_FUNCTION_LINES)
     ]
     assert too_long == []
+
+
+def test_every_package_is_installed():
+    """`pip install .` (CI, users) ships the packages pyproject.toml lists: every package of
+    the source tree must be there, or an installed rayhybrid lacks it."""
+    text = (PACKAGE.parent / "pyproject.toml").read_text()
+    block = text.split("\npackages = [", 1)[1].split("]", 1)[0]  # [tool.setuptools] packages
+    listed = {line.strip().strip('",') for line in block.splitlines() if line.strip()}
+    found = {module_name(init) for init in PACKAGE.rglob("__init__.py")}
+    assert found - listed == set()
 
 
 def test_validation_never_imports_torch(tmp_path):
