@@ -222,3 +222,52 @@ def test_the_last_step_waits_for_the_upload_and_saves_again_once_if_it_failed(tm
     group.saves = [{**done, "blocked_s": 0.0}]
     state = ctrl.on_training(Training(run))
     assert isinstance(state, Failed) and "could not be written: disk full" in str(state.error)
+
+
+def test_a_stop_whose_save_fails_keeps_the_commit_it_recorded_before(tmp_path):
+    """SIGTERM with step 5's upload in flight after step 7: the wait records step 5 as
+    committed, then step 7's save fails. Recovery starts from a run state that knows step 5
+    is committed (it is not recorded a second time when it is restored)."""
+    ctrl = controller(tmp_path, "checkpoint.every=5")
+    ctrl.stop_requested = "SIGTERM"
+    group = FakeGroup()
+    done = {"path": str(tmp_path / "c/step_00000005"), "step": 5, "async": True, "blocked_s": 0.0, "upload_s": 0.1}
+    group.finished = [[done]]
+
+    def failing_save(*args, **kwargs):
+        raise WorkerError(0, "node gone")
+
+    group.save = failing_save
+    state = ctrl.on_training(Training(RunState(group=group, slots=(0,), step=7, uploading=True, first_restore=0)))
+    assert isinstance(state, Recovering) and state.interruption.step == 8
+    assert state.run.committed == 5 and not state.run.uploading
+    assert ctrl.ledger.restored(state.run, checkpoints.Checkpoint(done["path"], {"step": 5})).committed == 5
+    assert [(e["event"], e["step"]) for e in events(tmp_path)] == [("checkpoint", 5)]  # once
+
+
+def test_a_first_start_whose_restore_fails_stops_its_group(tmp_path, monkeypatch):
+    """The state holding the new group is never returned when the restore raises: the start
+    itself stops the group (nothing is left holding placement groups and devices)."""
+    from rayhybrid.driver import controller as controller_module
+    from rayhybrid.driver.state import Starting
+
+    ctrl = controller(tmp_path)
+    stopped = []
+
+    class Group(FakeGroup):
+        def __init__(self, *args):
+            super().__init__()
+
+        def reserve(self, needed):
+            return [0]
+
+        def placement(self):
+            raise OSError("disk full")  # writing workers.json, say
+
+        def shutdown(self, graceful=True):
+            stopped.append(graceful)
+
+    monkeypatch.setattr(controller_module, "WorkerGroup", Group)
+    with pytest.raises(OSError, match="disk full"):
+        ctrl.on_starting(Starting(RunState()))
+    assert stopped == [False]

@@ -21,7 +21,7 @@ from rayhybrid.config.schema import Config
 from rayhybrid.driver.records import Interruption
 from rayhybrid.driver.runlog import RunLog
 from rayhybrid.driver.state import RunState
-from rayhybrid.errors import ConfigError
+from rayhybrid.errors import ConfigError, WorkerError
 from rayhybrid.faults import Injection
 from rayhybrid.storage import checkpoints
 from rayhybrid.storage.store import Store, redact_url
@@ -87,14 +87,18 @@ class CheckpointLedger:
         done = run.group.finished_saves(run.group.start_timeout_s)
         return self.saved(run, done), (done[-1] if done else None)
 
-    def save_now(self, run: RunState) -> RunState:
+    def save_now(self, run: RunState) -> tuple[RunState, WorkerError | None]:
         """The step the run is at, committed before it returns (unless checkpoint.every=0):
-        for a preemption notice or a stop. Raises WorkerError."""
-        run, _ = self.wait(run)
-        if self.cfg.checkpoint.enabled and run.step > 0 and run.committed != run.step:
-            run = self.save(run, run.step, None)
+        for a preemption notice or a stop. A failure comes back with the run state as far as
+        it got (a commit recorded before it stays recorded)."""
+        try:
             run, _ = self.wait(run)
-        return run
+            if self.cfg.checkpoint.enabled and run.step > 0 and run.committed != run.step:
+                run = self.save(run, run.step, None)
+                run, _ = self.wait(run)
+        except WorkerError as err:
+            return run, err
+        return run, None
 
     def saved(self, run: RunState, records: list[dict]) -> RunState:
         """Saves that finished: committed ones are checkpoints; failed ones leave the one before

@@ -69,8 +69,8 @@ class Controller:
         status, error, started_ray, previous = "failed", None, False, None
         try:
             started_ray = self.open()
-            self.prepare()
             previous = _on_sigterm(self._request_stop)  # after ray.init, which installs its own
+            self.prepare()
             while not state.terminal:
                 state = self.handlers[type(state)](state)
             if isinstance(state, Failed):
@@ -135,7 +135,11 @@ class Controller:
         if intr is not None:  # a start again, after the one before failed
             init_s = time.perf_counter() - placed
             intr = intr.but(place_s=placed - mark, init_s=init_s, dp_before=intr.dp_before or run.dp, dp_after=run.dp)
-        run, intr = self._restore(run, intr)
+        try:
+            run, intr = self._restore(run, intr)
+        except BaseException:  # the state with this group is not returned: stop it here
+            group.shutdown(graceful=False)
+            raise
         self.log.started_up(len(group.workers))
         return Training(run.but(train_started=time.perf_counter()), intr)
 
@@ -146,7 +150,7 @@ class Controller:
             return self._finish(run)
         if self.stop_requested:
             return self._stop(run)
-        inject = self._inject(run, run.step + 1, "step")
+        inject = self.log.injected(self.faults.due(run.step + 1, "step", self._world(run)))
         try:
             (metrics,) = run.group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
         except WorkerError as err:
@@ -208,14 +212,13 @@ class Controller:
         notice = self.drains.notice(run.group, run.slots, run.evacuated) if step < self.cfg.train.steps else {}
         if notice:  # checkpoint this step, then move off the draining nodes
             self.drains.announce(notice, step)
-            try:
-                run = self.ledger.save_now(run)
-            except WorkerError as err:
+            run, err = self.ledger.save_now(run)
+            if err is not None:
                 return self._failed(run, err, step + 1, None)
             return self.drains.evacuate(run, notice, last_step_at)
         if not self.cfg.checkpoint.due(step, self.cfg.train.steps):
             return Training(run)
-        inject = self._inject(run, step, "save")
+        inject = self.log.injected(self.faults.due(step, "save", self._world(run)))
         try:
             run = self.ledger.save(run, step, inject)
         except WorkerError as err:
@@ -279,9 +282,8 @@ class Controller:
     def _stop(self, run: RunState) -> Stopped | Recovering:
         """Save the steps trained since the last checkpoint (unless checkpoint.every=0), wait
         for the upload, and stop."""
-        try:
-            run = self.ledger.save_now(run)
-        except WorkerError as err:
+        run, err = self.ledger.save_now(run)
+        if err is not None:
             return self._failed(run, err, run.step + 1, None)
         kept = (
             f"checkpoint {self.log.summary.last_checkpoint}" if run.committed == run.step else self.ledger.last_good()
@@ -322,13 +324,8 @@ class Controller:
         )
         return run, intr
 
-    def _inject(self, run: RunState, step: int, phase: str) -> Injection | None:
-        """The `fault.inject` fault due now, recorded before it fires."""
-        injection = self.faults.due(step, phase, Layout.of(with_dp(self.cfg, run.dp)).world_size)
-        if injection is not None:
-            self.log.event(injection.record())
-            log.warning("fault.inject: %s on rank %d at step %d (%s)", injection.kind, injection.rank, step, phase)
-        return injection
+    def _world(self, run: RunState) -> int:
+        return Layout.of(with_dp(self.cfg, run.dp)).world_size
 
     def _close(self, state: State, started_ray: bool, status: str, error: str | None) -> dict:
         """summary.json from the run log and the final run state; the workers and Ray stopped."""

@@ -113,6 +113,19 @@ class RunLog:
         if self.trackers is not None:
             self.trackers.event(record)
 
+    def injected(self, injection):
+        """A `fault.inject` fault due now (or None), recorded before it fires; returns it."""
+        if injection is not None:
+            self.event(injection.record())
+            log.warning(
+                "fault.inject: %s on rank %d at step %d (%s)",
+                injection.kind,
+                injection.rank,
+                injection.step,
+                injection.phase,
+            )
+        return injection
+
     def interruption(self, intr: Interruption) -> None:
         """A restart or resize whose first step is done: its records."""
         if intr.kind == "restart":
