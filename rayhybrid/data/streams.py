@@ -118,7 +118,7 @@ class WindowStream(SampleStream):
 def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
     """The training stream. With data.val_fraction, text and token data train on the head of
     data.path's tokens only (the tail is `build_held_out`'s)."""
-    if not KINDS[cfg.name].reads_path:
+    if not kind_of(cfg).reads_path:
         return MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
     tokens = _tokens(cfg, cfg.path, "data.path")
     if cfg.val_path or cfg.val_fraction <= 0:
@@ -132,7 +132,7 @@ def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStr
     """The held-out stream evaluation reads: synthetic data's independent stream of the same
     chain (`train`'s, when given: no second chain to build), data.val_path's tokens, or the tail
     data.val_fraction of data.path's."""
-    if not KINDS[cfg.name].reads_path:
+    if not kind_of(cfg).reads_path:
         chain = train if isinstance(train, MarkovStream) else MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
         return chain.held_out()
     if cfg.val_path:
@@ -150,9 +150,15 @@ def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStr
 def _tokens(cfg: DataConfig, path: str, setting: str) -> np.ndarray:
     """`path` (data.path or data.val_path, named by `setting`) as one token array: text as
     bytes, tokens as ids."""
-    if cfg.name not in READERS:
-        raise ValueError(f"data.name={cfg.name!r} is unknown; use {', '.join(KINDS)}")
+    kind_of(cfg)
     return READERS[cfg.name](cfg, path, setting)
+
+
+def kind_of(cfg: DataConfig):
+    """data.name's entry of `KINDS`; ValueError for a name that has none."""
+    if cfg.name not in KINDS:
+        raise ValueError(f"data.name={cfg.name!r} is unknown; use {', '.join(KINDS)}")
+    return KINDS[cfg.name]
 
 
 def _text_bytes(cfg: DataConfig, path: str, setting: str) -> np.ndarray:
