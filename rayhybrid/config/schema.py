@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rayhybrid.config.topology import SCHEDULES as SCHEDULE_TABLE
+from rayhybrid.config.topology import SCHEDULE_TABLE
 
 SCHEDULES = tuple(SCHEDULE_TABLE)
 """Pipeline schedules, by config name. `interleaved_zb` and `zbv` are zero-bubble schedules."""

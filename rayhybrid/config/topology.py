@@ -105,7 +105,7 @@ class Schedule:
         return self.stages_per_rank or 2
 
 
-SCHEDULES: dict[str, Schedule] = {
+SCHEDULE_TABLE: dict[str, Schedule] = {
     "gpipe": Schedule(stages_per_rank=1),
     "1f1b": Schedule(stages_per_rank=1),
     "interleaved_1f1b": Schedule(stages_per_rank=None),
@@ -113,14 +113,11 @@ SCHEDULES: dict[str, Schedule] = {
     "zbv": Schedule(stages_per_rank=2, v_shaped=True, zero_bubble=True),
 }
 """The one table of the schedules rayhybrid runs (torch.distributed.pipelining's)."""
-V_SHAPED = tuple(name for name, s in SCHEDULES.items() if s.v_shaped)
-MULTI_STAGE = tuple(name for name, s in SCHEDULES.items() if s.stages_per_rank != 1)
-"""Schedules whose ranks hold more than one stage (torch's multi-stage runtime schedules)."""
 
 
 def stage_style(schedule: str) -> str:
     """How stages are assigned to pipeline ranks: `v` for V-shaped schedules, else `loop`."""
-    return "v" if SCHEDULES[schedule].v_shaped else "loop"
+    return "v" if SCHEDULE_TABLE[schedule].v_shaped else "loop"
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ package once it can see the cluster.
 from __future__ import annotations
 
 from rayhybrid.config.schema import DTYPES, SCHEDULES, Config
-from rayhybrid.config.topology import SCHEDULES as SCHEDULE_TABLE
-from rayhybrid.config.topology import Layout
+from rayhybrid.config.topology import SCHEDULE_TABLE, Layout
 from rayhybrid.errors import ConfigError
 
 DECAYS = ("cosine", "linear", "constant")

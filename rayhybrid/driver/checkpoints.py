@@ -43,8 +43,8 @@ class CheckpointLedger:
     def latest(self) -> checkpoints.Checkpoint | None:
         return checkpoints.latest(self.store)
 
-    def last_good(self, short: bool = False, good: checkpoints.Checkpoint | None = None) -> str:
-        good = good or self.latest()
+    def last_good(self, short: bool = False) -> str:
+        good = self.latest()
         if short:
             return str(good.path) if good else "the beginning"
         return f"last good checkpoint: {good.path} (step {good.step})" if good else "no checkpoint yet"

@@ -1,7 +1,7 @@
 """The one writer of a run's outputs: metrics.jsonl, the step lines and progress bar,
 workers.json and summary.json, and the experiment trackers, which get every record too.
 
-    log = RunLog(cfg, checkpoint_dir, observer)   # <run dir>/metrics.jsonl
+    log = RunLog(cfg)                             # <run dir>/metrics.jsonl
     log.step(metrics)                             # one optimizer step (a dict from the workers)
     log.event(record)                             # checkpoint, resume, fault_injected, preemption, ...
     log.interruption(interruption)                # a restart or resize, once its first step is done
@@ -66,7 +66,7 @@ class RunLog:
     """metrics.jsonl, step lines, progress bar, workers.json and summary.json for one run
     directory: the only writer of these files."""
 
-    def __init__(self, cfg: Config, checkpoint_dir: str = "", observer=None) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.dir = Path(cfg.run_dir or ".").resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -75,7 +75,7 @@ class RunLog:
         self.bar = ProgressBar(cfg.train.steps)
         self.history: list[StepMetrics] = []
         self.started = time.perf_counter()
-        self.observer = observer
+        self.observer = None
         """Adds FLOP/s and MFU to each step and the figures at close (rayhybrid.driver.observe)."""
         self.trackers = None
         """Experiment trackers (rayhybrid.tracking.Trackers) that get every record too."""
@@ -86,7 +86,7 @@ class RunLog:
             global_batch_size=cfg.train.global_batch_size,
             micro_batch_size=cfg.train.micro_batch_size,
             run_dir=str(self.dir),
-            checkpoint_dir=checkpoint_dir,
+            checkpoint_dir="",
         )
 
     def step(self, metrics: StepMetrics) -> StepMetrics:
@@ -206,13 +206,19 @@ class RunLog:
         tmp.write_text(json.dumps(data, indent=indent) + "\n")
         os.replace(tmp, path)
 
-    def close(self, status: str, error: str | None = None, **final) -> dict:
+    def close(
+        self,
+        status: str,
+        error: str | None = None,
+        *,
+        restarts: int = 0,
+        train_s: float | None = None,
+        best_checkpoint: str | None = None,
+    ) -> dict:
         """summary.json, with how the run ended and what the driver's final run state says
         (`restarts`, `train_s`, `best_checkpoint`); the observer's figures; the trackers closed."""
         s = self.summary
-        s.status, s.error = status, error
-        for name, value in final.items():
-            setattr(s, name, value)
+        s.status, s.error, s.restarts, s.train_s, s.best_checkpoint = status, error, restarts, train_s, best_checkpoint
         s.finish(self.history)
         s.wall_s = round(time.perf_counter() - self.started, 3)
         figures = s.to_dict()

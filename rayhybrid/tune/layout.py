@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 
 from rayhybrid.config.schema import Config
-from rayhybrid.config.topology import SCHEDULES
+from rayhybrid.config.topology import SCHEDULE_TABLE
 from rayhybrid.tune.plan import Point, Record, fastest, record_of
 from rayhybrid.tune.space import batch_sizes, is_valid, planned_peak_mb, trial_config
 
@@ -41,7 +41,7 @@ log = logging.getLogger("rayhybrid")
 
 TRY_ORDER = ("1f1b", "gpipe", "zbv", "interleaved_1f1b", "interleaved_zb")
 """The schedules in the order the layout search tries them."""
-STAGES_PER_RANK = {schedule: SCHEDULES[schedule].default_stages_per_rank for schedule in TRY_ORDER}
+STAGES_PER_RANK = {schedule: SCHEDULE_TABLE[schedule].default_stages_per_rank for schedule in TRY_ORDER}
 """The schedules a layout search tries, with the stages per rank it gives each (the order is the
 order phase 3 tries them in after the representative's 1F1B)."""
 
