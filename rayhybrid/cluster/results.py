@@ -23,6 +23,10 @@ class StepMetrics(TypedDict, total=False):
     tp: int
     samples: list[list[int]]
     """[first sample, count] read by each data-parallel replica, in dp order."""
+    data_wait_s: float
+    """The longest any rank waited for its samples in this step (in step_time_s)."""
+    data_read: dict[str, list[dict]]
+    """data.trace: rank -> what it read (written to data_trace/, not to metrics.jsonl)."""
     bubble: float | None
     """The pipeline's idle share of the step, over ranks."""
     peak_mb: dict[str, float]
@@ -52,6 +56,12 @@ def merge_steps(results: list[list[dict]], dp: int, replica_size: int) -> list[S
                 metrics[name] = {
                     f"rank{rank}/{key}": mb for rank, steps in enumerate(results) for key, mb in steps[i][name].items()
                 }
+        # The longest any rank waited for its samples: the step waited that long.
+        metrics["data_wait_s"] = max(steps[i].get("data_wait_s", 0.0) for steps in results)
+        if "data_read" in metrics:  # data.trace: what each rank read, by rank
+            metrics["data_read"] = {
+                str(rank): steps[i]["data_read"] for rank, steps in enumerate(results) if "data_read" in steps[i]
+            }
         if "cpu_s" in metrics:  # the busiest rank's CPU time (ranks sharing cores wait for them)
             metrics["cpu_s"] = max(steps[i].get("cpu_s", 0.0) for steps in results)
         bubbles = [steps[i]["bubble"] for steps in results if steps[i].get("bubble") is not None]

@@ -194,6 +194,7 @@ class TrainWorker:
 
         if self.trainer is not None:
             self.trainer.close_checkpoints()
+            self.trainer.stream.close()  # its read-ahead thread
         self.trainer = None
         if dist.is_initialized():
             from rayhybrid.parallel.mesh import forget_meshes

@@ -116,20 +116,40 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class MixEntry:
+    """One dataset of a mixture (data.mix): a prepared dataset and its weight."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class DataConfig:
     name: str = "synthetic"
     seq_len: int = 64
     # synthetic: a random sparse Markov chain over model.vocab_size tokens
     branching: int = 4
     """Successors per token in the synthetic Markov chain (its loss floor falls with this)."""
-    # text: local text files read as bytes; tokens: a memory-mapped file of token ids
+    # text: local text files read as bytes; tokens: a memory-mapped file of token ids;
+    # prepared: datasets written by `python -m rayhybrid.prepare`, on any store (docs/data.md)
     path: str = ""
-    """text: a file, a directory of *.txt files or a glob; tokens: a .bin/.npy file of token ids."""
+    """text: a file, a directory of *.txt files or a glob; tokens: a .bin/.npy file of token ids;
+    prepared: the URL or path of a prepared dataset."""
+    mix: tuple[MixEntry, ...] = ()
+    """prepared: a weighted mixture instead of data.path, e.g.
+    data.mix=[{path:s3://b/web,weight:0.7},{path:s3://b/code,weight:0.3}] (weights normalised)."""
+    cache_dir: str = ""
+    """prepared: keep what each node read on its disk here (shared by the node's ranks); empty: none."""
+    read_ahead: int = 2
+    """prepared: steps of samples read in the background ahead of training; 0: read when needed."""
+    trace: bool = False
+    """Write what each rank read (step, sample, dataset, epoch, start) to the run's data_trace/."""
     token_dtype: str = "uint16"
     """tokens: dtype of a raw .bin file (a .npy file carries its own)."""
     # held-out data for eval.* (synthetic data needs none: it draws an independent stream)
     val_path: str = ""
-    """text, tokens: held-out data in the same form as data.path, which training never reads."""
+    """text, tokens, prepared: held-out data in the same form as data.path, which training never
+    reads (prepared: by default the documents prepare held out with val_fraction)."""
     val_fraction: float = 0.0
     """text, tokens (without data.val_path): hold out this tail fraction of data.path's tokens
     for evaluation; training reads only the rest. 0: none."""

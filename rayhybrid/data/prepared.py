@@ -226,7 +226,7 @@ class PreparedDataset:
         if not ranges:
             return np.zeros(0, dtype=np.int64)
         paths, starts, ends = zip(*ranges)
-        return self.decode(self.fs.cat_ranges(list(paths), list(starts), list(ends)))
+        return self.decode(self.fs.cat_ranges(list(paths), list(starts), list(ends), on_error="raise"))
 
 
 def open_prepared(url: str, storage_options: dict | None = None) -> PreparedDataset:

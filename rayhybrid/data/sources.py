@@ -29,10 +29,15 @@ class DataKind:
     """What data.path and data.val_path must match, for the messages."""
 
 
+BYTE_VOCAB_MAX = 512
+"""The largest model.vocab_size byte-level data trains (256 bytes and room for a few specials):
+a larger one is a tokenizer's, and its model would learn the wrong ids from bytes."""
+
 KINDS = {
     "synthetic": DataKind(reads_path=False),
     "text": DataKind(reads_path=True, byte_level=True, matches="text file"),
     "tokens": DataKind(reads_path=True),
+    "prepared": DataKind(reads_path=True, matches="prepared dataset"),
 }
 """The one registry of data kinds (`data.name`); `streams.py` reads each the way it says."""
 
@@ -80,9 +85,23 @@ def validate_data(cfg: Config) -> None:
     if d.name not in KINDS:
         raise ConfigError("data.name", f"unknown value {d.name!r}; choose one of: {', '.join(KINDS)}")
     kind = KINDS[d.name]
+    if d.mix and d.name != "prepared":
+        raise ConfigError("data.mix", f"mixtures are of prepared datasets: set data=prepared, not data={d.name}")
+    if d.name == "prepared":
+        from rayhybrid.data.checks import validate_prepared
+
+        return validate_prepared(cfg)
     if kind.byte_level and m.vocab_size < 256:
         raise ConfigError(
             "model.vocab_size", f"{d.name} data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}"
+        )
+    if kind.byte_level and (m.init_from or m.vocab_size > BYTE_VOCAB_MAX):
+        why = f"model.init_from={m.init_from}'s" if m.init_from else f"model.vocab_size={m.vocab_size} is a tokenizer's"
+        raise ConfigError(
+            "data.name",
+            f"data={d.name} trains on bytes (ids 0-255), but {why} vocabulary is not bytes; tokenize once with "
+            "python -m rayhybrid.prepare input=... output=... tokenizer=<its tokenizer> and train with "
+            "data=prepared data.path=<output> (docs/data.md)",
         )
     if kind.reads_path:
         if not d.path:

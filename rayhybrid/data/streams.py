@@ -42,6 +42,18 @@ class SampleStream:
         data = torch.from_numpy(rows)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
+    def prefetch(self, start: int, count: int) -> None:
+        """Start reading samples [start, start + count) ahead of `batch` (streams that read a
+        store do; generated and memory-mapped data need not)."""
+
+    def provenance(self, index: int) -> tuple[str, int, int | None]:
+        """(dataset, epoch, first token) of sample `index`, for data.trace: None where the
+        sample is not a window of stored tokens (generated data)."""
+        return getattr(self, "source", "synthetic"), 0, None
+
+    def close(self) -> None:
+        """Stop reading ahead (a background reader's thread)."""
+
 
 class MarkovStream(SampleStream):
     """Token sequences from a random sparse Markov chain: each token has `branching`
@@ -108,11 +120,17 @@ class WindowStream(SampleStream):
                 f"{setting}: {source!r} holds {len(tokens)} tokens, fewer than data.seq_len + 1 = "
                 f"{seq_len + 1}; give more data or lower data.seq_len"
             )
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.tokens, self.seq_len, self.seed, self.source = tokens, seq_len, seed, source
+
+    def start(self, index: int) -> int:
+        return int(_rng(self.seed, index).integers(0, len(self.tokens) - self.seq_len))  # last start included
 
     def sample(self, index: int) -> np.ndarray:
-        start = int(_rng(self.seed, index).integers(0, len(self.tokens) - self.seq_len))  # last start included
+        start = self.start(index)
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+    def provenance(self, index: int) -> tuple[str, int, int | None]:
+        return self.source, 0, self.start(index)
 
 
 def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
@@ -120,6 +138,10 @@ def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
     data.path's tokens only (the tail is `build_held_out`'s)."""
     if not kind_of(cfg).reads_path:
         return MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
+    if cfg.name == "prepared":
+        from rayhybrid.data.reader import PreparedStream
+
+        return PreparedStream.open(cfg, seed)
     tokens = _tokens(cfg, cfg.path, "data.path")
     if cfg.val_path or cfg.val_fraction <= 0:
         return WindowStream(tokens, cfg.seq_len, seed, cfg.path)
@@ -135,6 +157,10 @@ def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStr
     if not kind_of(cfg).reads_path:
         chain = train if isinstance(train, MarkovStream) else MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
         return chain.held_out()
+    if cfg.name == "prepared":
+        from rayhybrid.data.reader import PreparedStream
+
+        return PreparedStream.held_out(cfg, seed)
     if cfg.val_path:
         tokens = _tokens(cfg, cfg.val_path, "data.val_path")
         return WindowStream(tokens, cfg.seq_len, seed, cfg.val_path, setting="data.val_path")

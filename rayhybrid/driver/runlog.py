@@ -75,6 +75,7 @@ class RunLog:
         self.bar = ProgressBar(cfg.train.steps)
         self.history: list[StepMetrics] = []
         self.started = time.perf_counter()
+        self.data_trace = DataTrace(self.dir / "data_trace")
         self.observer = None
         """Adds FLOP/s and MFU to each step and the figures at close (rayhybrid.driver.observe)."""
         self.trackers = None
@@ -91,6 +92,8 @@ class RunLog:
 
     def step(self, metrics: StepMetrics) -> StepMetrics:
         """Record one step (after the observer's figures); returns the record."""
+        if "data_read" in metrics:  # data.trace: to data_trace/, not to metrics.jsonl
+            self.data_trace.write(metrics.pop("data_read"))
         if self.observer is not None:
             metrics = self.observer.step(metrics)
         metrics["time"] = time.time()  # wall clock when the driver had the step (for step-to-step intervals)
@@ -188,6 +191,7 @@ class RunLog:
         """Forget steps after `step` (they will be trained again from a checkpoint), in memory
         and in metrics.jsonl, so every step appears once with the values that count."""
         self.history = [m for m in self.history if m["step"] <= step]
+        self.data_trace.rewind(step)
         self.metrics_file.close()
         kept = []
         for line in self.metrics_path.read_text().splitlines():
@@ -238,12 +242,39 @@ class RunLog:
         self.metrics_file.write(json.dumps(record) + "\n")
 
 
+class DataTrace:
+    """data.trace: `data_trace/rank<r>.jsonl`, one row per sample a rank read (step, sample,
+    dataset, epoch, start). Steps trained again after a recovery replace their rows, as in
+    metrics.jsonl, so the files say what the run that counts read."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def write(self, by_rank: dict[str, list[dict]]) -> None:
+        self.dir.mkdir(exist_ok=True)
+        for rank, rows in by_rank.items():
+            with open(self.dir / f"rank{rank}.jsonl", "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+
+    def rewind(self, step: int) -> None:
+        """Forget the rows of steps after `step`."""
+        for path in sorted(self.dir.glob("rank*.jsonl")) if self.dir.is_dir() else []:
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+
+
 def step_line(metrics: StepMetrics, total: int) -> str:
     """The line a step prints: loss, lr, gradient norm, throughput, time, and what was measured."""
-    extra = (f" | val_loss {metrics['val_loss']:.4f}" if metrics.get("val_loss") is not None else "") + "".join(
-        f" | {name} {metrics[key]:.1%}"
-        for key, name in (("mfu", "MFU"), ("bubble", "bubble"))
-        if metrics.get(key) is not None
+    extra = (
+        (f" | val_loss {metrics['val_loss']:.4f}" if metrics.get("val_loss") is not None else "")
+        + (f" | data wait {metrics['data_wait_s'] * 1e3:.1f}ms" if metrics.get("data_wait_s") is not None else "")
+        + "".join(
+            f" | {name} {metrics[key]:.1%}"
+            for key, name in (("mfu", "MFU"), ("bubble", "bubble"))
+            if metrics.get(key) is not None
+        )
     )
     return (
         f"step {metrics['step']:{len(str(total))}d}/{total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "

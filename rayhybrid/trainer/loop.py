@@ -192,6 +192,8 @@ class Trainer:
             "pp": t.pp,
             "tp": t.tp,
             "samples_read": self.samples_read,  # [first sample index, count] this rank read
+            "data_wait_s": self.data_wait_s,  # seconds this rank waited for its samples
+            **({"data_read": self.data_read} if self.data_read is not None else {}),  # data.trace
             **(
                 {"peak_mb": self.memory.peaks_mb(), "activation_mb": self.memory.activation_mb()}
                 if self.memory is not None
@@ -213,14 +215,33 @@ class Trainer:
         self._phase(self.stages[0][0], "forward")
         inputs, targets = None, None
         self.samples_read = None
+        self.data_wait_s, self.data_read = 0.0, None
         if self.has_first or self.has_last:
-            inputs, targets = self.stream.batch(shard.start, shard.count)
-            self.samples_read = [shard.start, shard.count]
+            inputs, targets = self.read(shard)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
         with self._step_context():
             if self.schedule is None:
                 return self._forward_backward(inputs, targets)
             return self._forward_backward_pipeline(inputs, targets)
+
+    def read(self, shard) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's samples of the step (timed: `data_wait_s`), the next steps' read
+        ahead in the background (data.read_ahead), and with data.trace what was read."""
+        d, t, global_batch = self.cfg.data, self.cfg.topology, self.cfg.train.global_batch_size
+        waited = time.perf_counter()
+        inputs, targets = self.stream.batch(shard.start, shard.count)
+        self.data_wait_s = time.perf_counter() - waited
+        for ahead in range(1, d.read_ahead + 1):
+            following = replica_shard(self.consumed_samples + ahead * global_batch, global_batch, t.dp, self.coord.dp)
+            self.stream.prefetch(following.start, following.count)
+        self.samples_read = [shard.start, shard.count]
+        if d.trace:
+            rows = [(i, *self.stream.provenance(i)) for i in range(shard.start, shard.start + shard.count)]
+            self.data_read = [
+                {"step": self.step + 1, "sample": i, "dataset": name, "epoch": epoch, "start": start}
+                for i, name, epoch, start in rows
+            ]
+        return inputs, targets
 
     def evaluate(self) -> float:
         """The mean token loss on the held-out data (`eval.batches` global batches), forward

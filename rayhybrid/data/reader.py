@@ -1,0 +1,170 @@
+"""Training and evaluation samples from prepared datasets (data=prepared), read straight from
+their store.
+
+    stream = PreparedStream.open(cfg.data, seed)          # data.path or data.mix
+    inputs, targets = stream.batch(start, count)          # samples [start, start + count)
+    stream.prefetch(next_start, count)                    # read the next step's in the background
+    stream.provenance(i)                                  # (dataset, epoch, first token) of sample i
+
+Only the byte ranges a batch's windows cover are read: all of a batch's ranges of one dataset
+in one `cat_ranges` call (concurrent ranged GETs on object stores). `data.cache_dir` keeps
+what was read on the node's disk, in aligned chunks written whole (a temporary file renamed),
+so ranks of one node share it safely and a later epoch or a restarted rank reads it locally.
+`data.read_ahead` steps are fetched by a background thread while the current step trains.
+
+Where each sample comes from is rayhybrid/data/packing.py's; this module only reads.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from rayhybrid.config.schema import DataConfig
+from rayhybrid.data.packing import Mixture, Part, mixture_entries, training_documents
+from rayhybrid.data.prepared import PreparedDataset, open_prepared
+from rayhybrid.data.streams import SampleStream
+
+CACHE_CHUNK = 1 << 20
+"""Bytes per cached chunk of a shard (data.cache_dir)."""
+HELD_OUT_KEY = 0x4E1D
+
+
+def sources(cfg: DataConfig) -> list[tuple[str, float]]:
+    """(URL, weight) of every dataset data=prepared trains on: data.mix, else data.path alone."""
+    return [(url, weight) for _, url, weight in mixture_entries(cfg)]
+
+
+class PreparedStream(SampleStream):
+    """Samples of one or more prepared datasets (a weighted mixture), packed into windows of
+    seq_len + 1 tokens; `batch(start, count)` -> (inputs, targets), each [count, seq_len] int64."""
+
+    loss_floor = None
+
+    def __init__(self, parts: list[Part], names: list[str], weights: list[float], cfg: DataConfig, key: tuple) -> None:
+        self.parts, self.names, self.seq_len, self.key = parts, names, cfg.seq_len, key
+        self.mixture = Mixture(weights)
+        self.cache_dir = os.path.expanduser(cfg.cache_dir) if cfg.cache_dir else ""
+        self.read_ahead = cfg.read_ahead
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: dict[tuple[int, int], Future] = {}
+
+    @classmethod
+    def open(cls, cfg: DataConfig, seed: int) -> PreparedStream:
+        """The training stream: every dataset's documents but its held-out ones."""
+        datasets = [open_prepared(url) for url, _ in sources(cfg)]
+        parts = [Part(ds, training_documents(ds), cfg.seq_len) for ds in datasets]
+        return cls(parts, [url for url, _ in sources(cfg)], [w for _, w in sources(cfg)], cfg, (seed,))
+
+    @classmethod
+    def held_out(cls, cfg: DataConfig, seed: int) -> PreparedStream:
+        """Evaluation's stream: data.val_path's documents, else every dataset's held-out ones,
+        mixed with the same weights."""
+        if cfg.val_path:
+            part = Part(open_prepared(cfg.val_path), None, cfg.seq_len)
+            return cls([part], [cfg.val_path], [1.0], cfg, (seed, HELD_OUT_KEY))
+        datasets = [open_prepared(url) for url, _ in sources(cfg)]
+        parts = [Part(ds, ds.held_out, cfg.seq_len) for ds in datasets]
+        return cls(parts, [url for url, _ in sources(cfg)], [w for _, w in sources(cfg)], cfg, (seed, HELD_OUT_KEY))
+
+    def locate(self, i: int) -> tuple[int, int, int]:
+        """(dataset, epoch, first token in its part) of sample i."""
+        d, j = self.mixture.locate(i)
+        epoch, start = self.parts[d].window(j, (*self.key, d))
+        return d, epoch, start
+
+    def sample(self, index: int) -> np.ndarray:
+        return self._read([index])[0]
+
+    def provenance(self, index: int) -> tuple[str, int, int]:
+        d, epoch, start = self.locate(index)
+        return self.names[d], epoch, start
+
+    def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples [start, start + count): from the read-ahead when it has them, else read now."""
+        future = self._ahead.pop((start, count), None)
+        rows = future.result() if future is not None else self._read(range(start, start + count))
+        self.last_read = [
+            (i, self.names[d], epoch, s) for i in range(start, start + count) for d, epoch, s in [self.locate(i)]
+        ]
+        data = torch.from_numpy(np.stack(rows))
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    def prefetch(self, start: int, count: int) -> None:
+        """Start reading samples [start, start + count) in the background (data.read_ahead)."""
+        if self.read_ahead <= 0 or (start, count) in self._ahead:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayhybrid-read-ahead")
+        while len(self._ahead) >= self.read_ahead + 1:  # not taken: a step was redone or skipped
+            self._ahead.pop(next(iter(self._ahead)))
+        self._ahead[(start, count)] = self._pool.submit(self._read, range(start, start + count))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._ahead.clear()
+
+    def _read(self, indices) -> list[np.ndarray]:
+        """The token windows of `indices`, read with one batch of ranged reads per dataset."""
+        wanted: dict[int, list[tuple[int, int]]] = {}  # dataset -> its (sample position, stream range)
+        for n, i in enumerate(indices):
+            d, _, start = self.locate(i)
+            wanted.setdefault(d, []).extend((n, r) for r in self.parts[d].ranges(start, start + self.seq_len + 1))
+        pieces: dict[int, list[np.ndarray]] = {}
+        for d, items in wanted.items():
+            tokens = _fetch(self.parts[d].dataset, [r for _, r in items], self.cache_dir)
+            for (n, _), t in zip(items, tokens):
+                pieces.setdefault(n, []).append(t)
+        return [np.concatenate(pieces[n]) for n in range(len(pieces))]
+
+
+def _fetch(ds: PreparedDataset, ranges: list[tuple[int, int]], cache_dir: str) -> list[np.ndarray]:
+    """Token ranges [a, b) of one dataset's stream, in order; each a few ranged reads."""
+    spans = [ds.byte_ranges(a, b) for a, b in ranges]
+    flat = [s for span in spans for s in span]
+    if not flat:
+        return [np.zeros(0, np.int64) for _ in ranges]
+    blobs = _cached(ds, flat, cache_dir) if cache_dir else ds.fs.cat_ranges(*map(list, zip(*flat)), on_error="raise")
+    out, k = [], 0
+    for span in spans:
+        out.append(ds.decode(blobs[k : k + len(span)]))
+        k += len(span)
+    return out
+
+
+def _cached(ds: PreparedDataset, ranges: list[tuple[str, int, int]], cache_dir: str) -> list[bytes]:
+    """`ranges` through the local chunk cache: missing chunks are read from the store in one
+    batch and written whole (temporary file, then rename), then every range is cut from them."""
+    root = os.path.join(cache_dir, ds.index.fingerprint[:24])
+    os.makedirs(root, exist_ok=True)
+    sizes = {path: ds.index.shards[i]["tokens"] * ds.dtype.itemsize for i, path in enumerate(ds.shard_paths)}
+
+    def local(path: str, chunk: int) -> str:
+        return os.path.join(root, f"{os.path.basename(path)}.{chunk}")
+
+    needed = {(p, c) for p, a, b in ranges for c in range(a // CACHE_CHUNK, (b - 1) // CACHE_CHUNK + 1)}
+    missing = sorted(k for k in needed if not os.path.exists(local(*k)))
+    if missing:
+        starts = [c * CACHE_CHUNK for _, c in missing]
+        ends = [min(sizes[p], s + CACHE_CHUNK) for (p, _), s in zip(missing, starts)]
+        for (p, c), blob in zip(missing, ds.fs.cat_ranges([p for p, _ in missing], starts, ends, on_error="raise")):
+            tmp = f"{local(p, c)}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, local(p, c))
+    out = []
+    for p, a, b in ranges:
+        parts = []
+        for c in range(a // CACHE_CHUNK, (b - 1) // CACHE_CHUNK + 1):
+            with open(local(p, c), "rb") as f:
+                lo = max(a, c * CACHE_CHUNK) - c * CACHE_CHUNK
+                f.seek(lo)
+                parts.append(f.read(min(b, (c + 1) * CACHE_CHUNK) - c * CACHE_CHUNK - lo))
+        out.append(b"".join(parts))
+    return out
