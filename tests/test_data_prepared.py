@@ -1,0 +1,286 @@
+"""data=prepared without Ray: where each sample comes from (packing, epochs, mixtures), what is
+read from the store (ranged reads, the node cache, read-ahead), and the checks before a run.
+
+Datasets are written in the prepared format directly (tests/prepared.py); the tool that writes
+them from text, `python -m rayhybrid.prepare`, is tested in test_prepare.py, the whole run on a
+cluster in test_data_cluster.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from rayhybrid.config.schema import DataConfig
+from rayhybrid.data.packing import BLOCK, Mixture, Part
+from rayhybrid.data.prepared import open_prepared
+from rayhybrid.data.reader import PreparedStream
+from rayhybrid.errors import ConfigError
+from rayhybrid.preflight import load_config
+from tests.prepared import random_documents, write_dataset
+from tests.s3 import CREDENTIALS, env, loopback_aws, make_bucket, moto_server
+
+SEQ = 16
+
+
+def stream_of(documents, held=()) -> np.ndarray:
+    return np.concatenate([d for i, d in enumerate(documents) if i not in set(held)])
+
+
+def test_every_window_of_an_epoch_is_read_once_and_each_epoch_in_a_new_order(tmp_path):
+    docs = random_documents(60, seed=3)
+    ds = open_prepared(write_dataset(tmp_path / "ds", docs, shards=3))
+    part = Part(ds, None, SEQ)
+    assert part.windows == (sum(map(len, docs)) - 1) // SEQ
+    tokens = stream_of(docs)
+    firsts = {}
+    for epoch in range(3):
+        starts = [part.window(epoch * part.windows + j, (7, 0))[1] for j in range(part.windows)]
+        assert sorted(starts) == [w * SEQ for w in range(part.windows)]  # each window once
+        firsts[epoch] = starts
+    assert firsts[0] != firsts[1] != firsts[2]  # shuffled anew
+    assert part.window(5, (7, 0)) == part.window(5, (7, 0))  # a function of (key, j) alone
+    assert part.window(5, (8, 0)) != part.window(5, (7, 0)) or part.window(6, (8, 0)) != part.window(6, (7, 0))
+    # Windows pack across documents: consecutive windows share one token, EOS inside.
+    stream = PreparedStream.open(DataConfig(name="prepared", path=str(tmp_path / "ds"), seq_len=SEQ), seed=7)
+    for i in range(40):
+        _, _, start = stream.locate(i)
+        assert stream.sample(i).tolist() == tokens[start : start + SEQ + 1].tolist()
+
+
+def test_held_out_documents_are_never_trained_on(tmp_path):
+    docs = random_documents(80, seed=4)
+    url = write_dataset(tmp_path / "ds", docs, shards=4, held_out=0.1)
+    ds = open_prepared(url)
+    held = ds.held_out.tolist()
+    assert len(held) == 8 and held == sorted(set(held))
+    cfg = DataConfig(name="prepared", path=url, seq_len=SEQ)
+    train, evaluation = PreparedStream.open(cfg, seed=0), PreparedStream.held_out(cfg, seed=0)
+    expected = stream_of(docs, held)
+    assert train.parts[0].tokens == len(expected)
+    for i in range(train.parts[0].windows):
+        _, _, start = train.locate(i)
+        assert train.sample(i).tolist() == expected[start : start + SEQ + 1].tolist()
+    held_tokens = np.concatenate([docs[i] for i in held])
+    assert evaluation.parts[0].tokens == len(held_tokens)
+    for i in range(evaluation.parts[0].windows):
+        _, _, start = evaluation.locate(i)
+        assert evaluation.sample(i).tolist() == held_tokens[start : start + SEQ + 1].tolist()
+
+
+def test_samples_do_not_depend_on_shard_boundaries(tmp_path):
+    docs = random_documents(50, seed=5)
+    one = PreparedStream.open(DataConfig(name="prepared", path=write_dataset(tmp_path / "a", docs, shards=1)), 1)
+    five = PreparedStream.open(DataConfig(name="prepared", path=write_dataset(tmp_path / "b", docs, shards=5)), 1)
+    a, _ = one.batch(0, 30)
+    b, _ = five.batch(0, 30)
+    assert a.equal(b)
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1, 2], [0.001, 0.999]])
+def test_a_mixture_holds_each_dataset_in_proportion_at_every_length(weights):
+    mix = Mixture(weights)
+    w = np.asarray(weights) / sum(weights)
+    located = [mix.locate(i) for i in range(3 * BLOCK + 123)]
+    counts = np.zeros(len(w))
+    for n, (d, j) in enumerate(located, start=1):
+        assert j == counts[d]  # each dataset's samples in order: 0, 1, 2, ...
+        counts[d] += 1
+        if n in (100, 1000, BLOCK, 2 * BLOCK + 5):
+            assert np.abs(counts / n - w).max() <= 1.5 / n + 1 / BLOCK
+    assert mix.locate(77_777) == Mixture(weights).locate(77_777)
+
+
+def test_a_weight_too_small_for_a_block_is_refused():
+    with pytest.raises(ValueError, match="no sample"):
+        Mixture([1.0, 1e-6])
+
+
+class Reads:
+    """Counts what a dataset's filesystem serves through `cat_ranges` (and can slow it down)."""
+
+    def __init__(self, fs, delay: float = 0.0) -> None:
+        self.fs, self.delay, self.calls, self.bytes, self.threads = fs, delay, 0, 0, set()
+        self.original = fs.cat_ranges
+
+    def __call__(self, paths, starts, ends, **kwargs):
+        self.calls += 1
+        self.bytes += sum(e - s for s, e in zip(starts, ends))
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay)
+        return self.original(paths, starts, ends, **kwargs)
+
+
+def counted(stream: PreparedStream, delay: float = 0.0) -> list[Reads]:
+    out = []
+    for part in stream.parts:
+        reads = Reads(part.dataset.fs, delay)
+        part.dataset.fs = _Patched(part.dataset.fs, reads)
+        out.append(reads)
+    return out
+
+
+class _Patched:
+    def __init__(self, fs, cat_ranges) -> None:
+        self._fs, self.cat_ranges = fs, cat_ranges
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    import s3fs
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(loopback_aws())
+        endpoint = stack.enter_context(moto_server())
+        stack.enter_context(env(AWS_ENDPOINT_URL=endpoint, **CREDENTIALS))
+        stack.callback(s3fs.S3FileSystem.clear_instance_cache)
+        s3fs.S3FileSystem.clear_instance_cache()
+        make_bucket("data", endpoint)
+        yield endpoint
+
+
+def test_a_batch_reads_only_its_windows_byte_ranges_from_s3(s3):
+    docs = random_documents(400, seed=6)
+    url = write_dataset("s3://data/web", docs, shards=2)
+    stream = PreparedStream.open(DataConfig(name="prepared", path=url, seq_len=SEQ), seed=0)
+    (reads,) = counted(stream)
+    inputs, targets = stream.batch(10, 8)
+    expected = stream_of(docs)
+    for row, i in enumerate(range(10, 18)):
+        start = stream.locate(i)[2]
+        assert inputs[row].tolist() == expected[start : start + SEQ].tolist()
+        assert targets[row].tolist() == expected[start + 1 : start + SEQ + 1].tolist()
+    shard_bytes = sum(s["tokens"] for s in stream.parts[0].dataset.index.shards) * 2
+    assert reads.calls == 1  # every range of the batch in one batched call
+    assert reads.bytes <= 8 * (SEQ + 1) * 2 < shard_bytes / 10  # the windows' bytes (a window may span shards)
+
+
+def test_the_node_cache_serves_what_was_read_before(s3, tmp_path):
+    url = write_dataset("s3://data/cached", random_documents(300, seed=7), shards=3)
+    cfg = DataConfig(name="prepared", path=url, seq_len=SEQ, cache_dir=str(tmp_path / "cache"))
+    first = PreparedStream.open(cfg, seed=0)
+    (reads,) = counted(first)
+    a, _ = first.batch(0, 64)
+    assert reads.calls == 1 and list((tmp_path / "cache").rglob("shard-*.bin.*"))
+    again = PreparedStream.open(cfg, seed=0)  # another rank of the node, or a restarted one
+    (reads_again,) = counted(again)
+    b, _ = again.batch(0, 64)
+    assert a.equal(b) and reads_again.calls == 0
+
+
+def test_read_ahead_fetches_the_next_steps_while_this_one_trains(tmp_path):
+    url = write_dataset(tmp_path / "ds", random_documents(200, seed=8), shards=2)
+    stream = PreparedStream.open(DataConfig(name="prepared", path=url, seq_len=SEQ, read_ahead=2), seed=0)
+    (reads,) = counted(stream, delay=0.3)
+    cold = time.perf_counter()
+    stream.batch(0, 8)
+    cold = time.perf_counter() - cold
+    stream.prefetch(8, 8)
+    time.sleep(0.6)  # "training"
+    warm = time.perf_counter()
+    got, _ = stream.batch(8, 8)
+    warm = time.perf_counter() - warm
+    assert cold >= 0.3 and warm < 0.1, (cold, warm)
+    assert any(name.startswith("rayhybrid-read-ahead") for name in reads.threads)
+    fresh = PreparedStream.open(DataConfig(name="prepared", path=url, seq_len=SEQ, read_ahead=0), seed=0)
+    assert got.equal(fresh.batch(8, 8)[0])  # the same samples as read on demand
+    stream.close()
+
+
+# -- the checks before a run ------------------------------------------------------------------
+
+
+def refused(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        load_config(list(overrides))
+    return err.value
+
+
+def test_the_checks_refuse_what_cannot_train(tmp_path):
+    docs = random_documents(40, seed=9)
+    good = write_dataset(tmp_path / "good", docs, vocab_size=300)
+    base = ["data=prepared", "data.seq_len=16", "model.vocab_size=320"]
+    load_config([*base, f"data.path={good}"])  # accepted
+
+    err = refused(*base, f"data.path={write_dataset(tmp_path / 'half', docs, commit=False)}")
+    assert err.setting == "data.path" and "no committed prepared dataset" in err.message
+    assert "python -m rayhybrid.prepare" in err.message
+    err = refused("data=prepared", "model.vocab_size=256", f"data.path={good}")
+    assert err.setting == "model.vocab_size" and "300 ids" in err.message
+    tiny = write_dataset(tmp_path / "tiny", [[5, 6, 0]], vocab_size=300)
+    err = refused(*base, f"data.path={tiny}")
+    assert err.setting == "data.path" and "fewer than one window" in err.message
+    err = refused(*base, f"data.path={good}", "data.val_fraction=0.1")
+    assert err.setting == "data.val_fraction" and "val_fraction=" in err.message
+    err = refused(*base, f"data.path={good}", "eval.every=5")
+    assert err.setting == "eval.every" and "holds none out" in err.message
+    err = refused(*base, f"data.path={good}", f"data.mix=[{{path:{good},weight:1}}]")
+    assert err.setting == "data.mix"
+    other = write_dataset(tmp_path / "other", docs, tokenizer_sha="another")
+    err = refused(*base, f"data.mix=[{{path:{good},weight:1}},{{path:{other},weight:1}}]")
+    assert err.setting == "data.mix[1].path" and "same tokenizer" in err.message
+    err = refused(*base, f"data.mix=[{{path:{good},weight:1}},{{path:{other},weight:0}}]")
+    assert err.setting == "data.mix[1].weight"
+    err = refused("data=text", f"data.path={tmp_path}", "model=gpt3_small")
+    assert err.setting == "data.name" and "rayhybrid.prepare" in err.message
+
+
+def test_a_tokenizer_other_than_the_checkpoints_is_refused(tmp_path):
+    from rayhybrid.data.checks import validate_prepared
+    from tests.tokenizer import make_tokenizer
+
+    ckpt = make_tokenizer(tmp_path / "hf")  # a checkpoint directory that ships its tokenizer
+    (ckpt / "config.json").write_text(json.dumps({"eos_token_id": 0, "bos_token_id": 1}))
+    sha = hashlib.sha256((ckpt / "tokenizer.json").read_bytes()).hexdigest()
+    docs = random_documents(40, seed=10)
+    base = ["data=prepared", "data.seq_len=16", "model.vocab_size=512"]
+
+    def with_init_from(url: str):
+        cfg = load_config([*base, f"data.path={url}"])
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=str(ckpt)))
+
+    validate_prepared(with_init_from(write_dataset(tmp_path / "same", docs, tokenizer_sha=sha)))  # accepted
+    with pytest.raises(ConfigError) as err:
+        validate_prepared(with_init_from(write_dataset(tmp_path / "other", docs, tokenizer_sha="another")))
+    assert err.value.setting == "data.path" and f"tokenizer={ckpt}" in err.value.message
+
+
+def test_a_refusal_is_one_line_and_exit_code_2(tmp_path):
+    half = write_dataset(tmp_path / "half", random_documents(20), commit=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayhybrid", "data=prepared", f"data.path={half}", "model.vocab_size=320"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "data.path" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_the_trace_counts_every_sample_of_a_mixture(tmp_path):
+    web = write_dataset(tmp_path / "web", random_documents(120, seed=11), shards=3)
+    code = write_dataset(tmp_path / "code", random_documents(60, seed=12), shards=2)
+    cfg = DataConfig(name="prepared", seq_len=SEQ, mix=({"path": web, "weight": 0.7}, {"path": code, "weight": 0.3}))
+    stream = PreparedStream.open(cfg, seed=3)
+    seen = [stream.provenance(i) for i in range(1000)]
+    shares = Counter(name for name, _, _ in seen)
+    assert abs(shares[web] / 1000 - 0.7) < 0.01 and abs(shares[code] / 1000 - 0.3) < 0.01
+    for url, part in zip((web, code), stream.parts):
+        epoch0 = [s for name, e, s in seen if name == url and e == 0]
+        assert sorted(epoch0) == [w * SEQ for w in range(part.windows)]  # a whole epoch, each window once
