@@ -284,3 +284,18 @@ def test_the_trace_counts_every_sample_of_a_mixture(tmp_path):
     for url, part in zip((web, code), stream.parts):
         epoch0 = [s for name, e, s in seen if name == url and e == 0]
         assert sorted(epoch0) == [w * SEQ for w in range(part.windows)]  # a whole epoch, each window once
+
+
+def test_a_checkpoint_resumes_only_on_the_data_it_was_trained_on(tmp_path):
+    from types import SimpleNamespace
+
+    from rayhybrid.trainer.checkpoint import restore
+
+    web = write_dataset(tmp_path / "web", random_documents(60, seed=13))
+    code = write_dataset(tmp_path / "code", random_documents(60, seed=14))
+    mix = PreparedStream.open(DataConfig(name="prepared", mix=({"path": web, "weight": 3}, {"path": code})), 0)
+    other = PreparedStream.open(DataConfig(name="prepared", mix=({"path": web, "weight": 1}, {"path": code})), 0)
+    assert mix.identity()["weights"] == [0.75, 0.25] and mix.identity() != other.identity()
+    trainer = SimpleNamespace(stream=other, cfg=SimpleNamespace(train=SimpleNamespace(global_batch_size=8)))
+    with pytest.raises(ValueError, match="trained on other data"):
+        restore(trainer, "ckpt", {"global_batch_size": 8, "data": mix.identity()})

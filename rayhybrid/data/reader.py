@@ -71,6 +71,13 @@ class PreparedStream(SampleStream):
         parts = [Part(ds, ds.held_out, cfg.seq_len) for ds in datasets]
         return cls(parts, [url for url, _ in sources(cfg)], [w for _, w in sources(cfg)], cfg, (seed, HELD_OUT_KEY))
 
+    def identity(self) -> dict:
+        return {
+            "kind": "prepared",
+            "datasets": [p.dataset.index.fingerprint for p in self.parts],
+            "weights": [round(float(w), 12) for w in self.mixture.weights],
+        }
+
     def locate(self, i: int) -> tuple[int, int, int]:
         """(dataset, epoch, first token in its part) of sample i."""
         d, j = self.mixture.locate(i)

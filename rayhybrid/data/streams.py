@@ -54,6 +54,11 @@ class SampleStream:
     def close(self) -> None:
         """Stop reading ahead (a background reader's thread)."""
 
+    def identity(self) -> dict:
+        """What fixes this stream's samples besides the seed and seq_len, as JSON (kept in
+        checkpoints): the kind of data, and for data read from a store what identifies it."""
+        return {"kind": type(self).__name__}
+
 
 class MarkovStream(SampleStream):
     """Token sequences from a random sparse Markov chain: each token has `branching`

@@ -55,6 +55,8 @@ def trainer_meta(trainer) -> dict:
         "model": dataclasses.asdict(cfg.model),
         "seq_len": cfg.data.seq_len,
         "consumed_samples": trainer.consumed_samples,
+        # What sample i is (with the seed and seq_len): a resume must read the same stream.
+        "data": trainer.stream.identity(),
         # The held-out loss of this very step, when it was evaluated (checkpoint.keep_best).
         **({"val_loss": val_loss[1]} if val_loss and val_loss[0] == trainer.step else {}),
         "global_batch_size": cfg.train.global_batch_size,
@@ -71,6 +73,12 @@ def restore(trainer, path: str, meta: dict) -> None:
         raise ValueError(
             f"checkpoint {path} was trained with train.global_batch_size={meta['global_batch_size']}; "
             f"resume with the same global batch (it fixes the sample stream and the LR schedule)"
+        )
+    recorded, now = meta.get("data"), trainer.stream.identity()
+    if recorded is not None and recorded != now:
+        raise ValueError(
+            f"checkpoint {path} was trained on other data ({recorded}, here {now}); resume with the same "
+            "data settings (they fix which sample each step reads), or train into a new checkpoint.dir"
         )
     load(trainer, path, trainer.cfg.checkpoint.storage_options)
 
