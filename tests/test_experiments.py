@@ -32,7 +32,7 @@ MIB_PER_GB = 1024
 # Each recipe's GPU: the A100 40GB of examples/elastic_cluster.yaml's p4d.24xlarge nodes, and
 # the H100 80GB nodes the Llama recipe is written for. The plan counts tensors only (no CUDA
 # context, NCCL buffers or allocator fragmentation): it must leave 15% of the GPU to those.
-GPU_MIB = {"gpt3_xl_elastic": 40 * MIB_PER_GB, "llama3.1_8b_2x8": 80 * MIB_PER_GB}
+GPU_MIB = {"gpt3_xl_elastic": 40 * MIB_PER_GB, "llama3.1_8b_2x8": 80 * MIB_PER_GB, "llama3.2_1b_prepared": 80 * MIB_PER_GB}
 HEADROOM = 0.85
 GPUS_PER_NODE = 8
 
@@ -56,10 +56,22 @@ def token_file(tmp_path: Path, cfg_overrides: list[str]) -> Path:
     return path
 
 
+def prepared_dataset(tmp_path: Path, cfg_overrides: list[str]) -> Path:
+    """A prepared dataset of Llama 3 ids (uint32) with 1% of its documents held out, each part
+    holding windows of the recipe's length."""
+    from tests.prepared import random_documents, write_dataset
+
+    data = compose(cfg_overrides).data
+    docs = random_documents(200, vocab_size=128256, lengths=(data.seq_len + 1, data.seq_len + 2))
+    return Path(write_dataset(tmp_path / "prepared", docs, vocab_size=128256, held_out=0.01))
+
+
 def filled(name: str, tmp_path: Path) -> list[str]:
     """`+experiment=<name>` with its two mandatory settings given."""
     base = [f"+experiment={name}"]
-    return [*base, f"data.path={token_file(tmp_path, base)}", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    data = compose(base).data
+    path = prepared_dataset(tmp_path, base) if data.name == "prepared" else token_file(tmp_path, base)
+    return [*base, f"data.path={path}", f"checkpoint.dir={tmp_path / 'ckpt'}"]
 
 
 def test_the_groups_hold_the_shipped_files():
@@ -102,7 +114,8 @@ def test_an_experiment_fits_its_gpus_by_the_plan(name, tmp_path):
     cfg = load_config(filled(name, tmp_path))
     t, tr = cfg.topology, cfg.train
     assert tr.dtype == "bfloat16" and str(cfg.cluster.use_gpu).lower() == "true"
-    assert cfg.eval.every > 0 and cfg.eval.batches > 0 and cfg.data.val_fraction > 0
+    assert cfg.eval.every > 0 and cfg.eval.batches > 0
+    assert cfg.data.val_fraction > 0 or cfg.data.name == "prepared"  # prepared: held out when prepared
     assert cfg.checkpoint.keep_best and cfg.checkpoint.every % cfg.eval.every == 0
     assert t.tp <= GPUS_PER_NODE and GPUS_PER_NODE % t.tp == 0  # a tensor-parallel group inside a node
     tokens_per_step = tr.global_batch_size * cfg.data.seq_len
@@ -128,6 +141,10 @@ def test_an_experiment_fits_its_gpus_by_the_plan(name, tmp_path):
         assert t.pp * t.tp == GPUS_PER_NODE and cfg.elastic.enabled
         assert cfg.elastic.dp_range(t.dp) == (workers["min_workers"], workers["max_workers"])
         assert dps == [1, 2, 3, 4], "every replica count the cluster can have splits the global batch"
+    elif name == "llama3.2_1b_prepared":
+        # Llama 3.2 1B on one node of 8, on a prepared dataset that holds documents out.
+        assert cfg.model.flavor == "llama3.2_1b" and cfg.data.name == "prepared" and cfg.data.read_ahead > 0
+        assert t.dp == GPUS_PER_NODE and t.pp == 1 and cfg.data.seq_len == 2048 and tokens_per_step == 2**19
     else:
         # Llama 3.1 8B on 2 nodes of 8: 16 ranks.
         assert cfg.model.flavor == "llama3.1_8b" and cfg.model.init_from == ""
