@@ -393,6 +393,53 @@ def _checkpoints_reading(rows: list[dict]) -> str:
     return out + "\n\n"
 
 
+def _data(r: dict) -> str:
+    out = (
+        "## 8. Data: preparing a corpus, and reading it from S3 while training\n\n"
+        "A generated JSON Lines corpus (4 files of made-up prose, Zipf-distributed words), tokenized with a "
+        "byte-level BPE of 2,048 ids trained on its first file. *Plain loop*: the tokenizer's own batch encoding "
+        "(`tokenizer(texts, add_special_tokens=False)`, 1,000 documents a batch) in one process with every core, "
+        "the documents read beforehand (`benchmarks/baselines/tokenize_loop.py`). *prepare*: `python -m "
+        "rayhybrid.prepare` on the same files and cores, on a local Ray it starts; its tokens per second are those "
+        "of its reading, tokenizing and writing (its own log line), its wall time includes starting Ray and "
+        "listing the input. Then dp2 trains on the prepared dataset from S3 (moto's server on 127.0.0.1, in the "
+        "benchmark's process, on the same 2 cores): *wait share* is the slowest rank's time waiting for its "
+        "samples over the step time, summed over the steps after the first two.\n\n"
+    )
+    out += _header(r)
+    if "prepare" not in r:
+        return out
+    loop, prep = r["loop"], r["prepare"]
+    out += _table(
+        ["", "tokens", "seconds", "tokens/s", "vs plain loop"],
+        [
+            ["plain loop", f"{loop['tokens']:,}", _f(loop["seconds"], 1), f"{loop['tokens_per_s']:,.0f}", "1.00x"],
+            [
+                "prepare",
+                f"{prep['tokens']:,}",
+                f"{prep['tokens'] / prep['tokens_per_s']:.1f} (wall {prep['wall_s']:.1f})",
+                f"{prep['tokens_per_s']:,.0f}",
+                f"{r['prepare_vs_loop']:.2f}x",
+            ],
+        ],
+    )
+    out += f"\nprepare wrote {prep['documents']:,} documents in {prep['shards']} shards.\n\n"
+    out += _table(
+        ["training from S3", "wait share", "median wait (ms)", "median step (s)", "runs"],
+        [
+            [
+                x["case"],
+                _f(x["share"], 2, pct=True),
+                _f(x["median_wait_ms"], 1),
+                _f(x["median_step_s"], 3),
+                str(x["runs"]),
+            ]
+            for x in r["rows"]
+        ],
+    )
+    return out + "\n"
+
+
 SECTIONS = {
     "scaling": _scaling,
     "overhead": _overhead,
@@ -401,6 +448,7 @@ SECTIONS = {
     "batch_search": _batch_search,
     "schedules": _schedules,
     "checkpoints": _checkpoints,
+    "data": _data,
 }
 
 
@@ -482,6 +530,11 @@ def table(results: dict) -> str:
                 + "  ".join(
                     f"{x['model']} {x['store']} {_f(x['slowdown'])}x" for x in r["rows"] if x["async"] and x["slowdown"]
                 )
+            )
+        elif name == "data":
+            lines.append(
+                f"{name:13s} prepare/plain loop {_f(r['prepare_vs_loop'])}x; wait share from S3 "
+                + "  ".join(f"{x['case']} {_f(x['share'], pct=True)}" for x in r["rows"])
             )
         elif name == "schedules":
             lines.append(

@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -437,6 +438,110 @@ def _checkpoint_stats(records: list[dict], warmup: int = 2) -> dict:
     }
 
 
+def data(tmp: Path, quick: bool) -> dict:
+    """Prepared data, end to end. (1) `python -m rayhybrid.prepare` on a generated JSON Lines
+    corpus against the tokenizer's own batch encoding in a plain loop on the same cores
+    (baselines/tokenize_loop.py; goal: prepare within 20%). (2) dp2 training on the prepared
+    dataset in S3 (moto's server on 127.0.0.1, in this process), with read-ahead (the default,
+    2 steps) and without: the share of step time the slowest rank waited for its samples (goal:
+    at most 1% with it). Runs alternate A B B A."""
+    megabytes, steps, pairs = (12, 12, 1) if quick else (40, 20, 2)
+    corpus, tok = tmp / "corpus", tmp / "tokenizer"
+    files = _corpus(corpus, megabytes)
+    _tokenizer(tok, files[0], vocab_size=2048)
+    loop = common.baseline("tokenize_loop.py", [str(tok), *map(str, files)])
+    out = tmp / "prepared"
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [common.PY, "-m", "rayhybrid.prepare", f"input={corpus}", f"output={out}", f"tokenizer={tok}", "format=jsonl"],
+        cwd=common.ROOT,
+        env=common.env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    wall = time.perf_counter() - started
+    line = next(ln for ln in (proc.stdout + proc.stderr).splitlines() if "tokenized and wrote" in ln)
+    index = json.loads((out / "index.json").read_text())
+    prepare = {
+        "tokens": index["tokens"],
+        "documents": index["documents"],
+        "shards": len(index["shards"]),
+        "wall_s": wall,
+        "tokens_per_s": float(line.rsplit(",", 1)[1].split()[0]),
+        "line": line.strip(),
+    }
+    runs = {"read-ahead 2": [], "read-ahead 0": []}
+    order = [name for i in range(pairs) for name in (list(runs) if i % 2 == 0 else list(runs)[::-1])]
+    with common.loopback_aws(), common.moto_server() as endpoint:
+        aws = {**common.CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+        common.make_bucket("bench", endpoint)
+        import s3fs
+
+        s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing").put(
+            str(out), "bench/prepared", recursive=True
+        )
+        for i, name in enumerate(order):
+            overrides = [*MODEL, *QUIET, "+topology=dp2", "train.global_batch_size=16", "train.micro_batch_size=2",
+                         f"train.steps={steps}", "data=prepared", "data.seq_len=128", "data.path=s3://bench/prepared",
+                         f"data.read_ahead={name.split()[-1]}"]  # fmt: skip
+            _, records, _ = common.train(overrides, tmp / f"data-{i}", extra_env=aws)
+            kept = records[2:]
+            runs[name].append({"wait_s": sum(r["data_wait_s"] for r in kept),
+                               "step_s": sum(r["step_time_s"] for r in kept),
+                               "median_wait_ms": 1e3 * statistics.median(r["data_wait_s"] for r in kept),
+                               "median_step_s": statistics.median(r["step_time_s"] for r in kept)})  # fmt: skip
+    rows = [{"case": name, "share": sum(x["wait_s"] for x in xs) / sum(x["step_s"] for x in xs),
+             "median_wait_ms": statistics.median(x["median_wait_ms"] for x in xs),
+             "median_step_s": statistics.median(x["median_step_s"] for x in xs), "runs": len(xs)}
+            for name, xs in runs.items()]  # fmt: skip
+    return {"megabytes": megabytes, "steps": steps, "loop": loop, "prepare": prepare,
+            "prepare_vs_loop": prepare["tokens_per_s"] / loop["tokens_per_s"], "rows": rows}  # fmt: skip
+
+
+WORDS_SEED = 20261125
+
+
+def _corpus(directory: Path, megabytes: int, files: int = 4) -> list[Path]:
+    """JSON Lines of generated prose: Zipf-distributed words of a fixed made-up lexicon, in
+    sentences and documents of varied length (so BPE has merges to learn)."""
+    import random
+
+    rng = random.Random(WORDS_SEED)
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    lexicon = ["".join(rng.choices(letters, k=rng.randint(1, 9))) for _ in range(20000)]
+    weights = [1 / (r + 1) for r in range(len(lexicon))]
+    directory.mkdir(parents=True, exist_ok=True)
+    paths, per_file = [], megabytes * 2**20 // files
+    for i in range(files):
+        path, size = directory / f"part-{i}.jsonl", 0
+        with open(path, "w") as f:
+            while size < per_file:
+                words = rng.choices(lexicon, weights, k=rng.randint(20, 600))
+                text = " ".join(words).capitalize() + "."
+                line = json.dumps({"id": size, "text": text}) + "\n"
+                f.write(line)
+                size += len(line)
+        paths.append(path)
+    return paths
+
+
+def _tokenizer(directory: Path, sample: Path, vocab_size: int) -> None:
+    """A byte-level BPE trained on the first file, saved as a Hugging Face tokenizer directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|eos|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    with open(sample) as f:
+        tok.train_from_iterator((json.loads(line)["text"] for line in f), trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>").save_pretrained(directory)
+
+
 BENCHMARKS = {
     "scaling": scaling,
     "overhead": overhead,
@@ -445,6 +550,7 @@ BENCHMARKS = {
     "batch_search": batch_search,
     "schedules": schedules,
     "checkpoints": checkpoints,
+    "data": data,
 }
 
 

@@ -203,6 +203,33 @@ def test_report_checkpoints_section():
     assert "**Failed**: `RuntimeError: no moto`" in failed and "| model |" not in failed
 
 
+def test_report_data_section():
+    meta = {"seconds": 200.0, "command": "python benchmarks/run.py --only data", "date": "d", "machine": "x"}
+    results = {
+        "data": {
+            **meta,
+            "megabytes": 12,
+            "steps": 12,
+            "loop": {"documents": 100, "tokens": 3_000_000, "seconds": 2.0, "tokens_per_s": 1_500_000.0},
+            "prepare": {"tokens": 3_000_000, "documents": 100, "shards": 6, "wall_s": 9.5, "tokens_per_s": 1_250_000.0},
+            "prepare_vs_loop": 0.8333,
+            "rows": [
+                {"case": "read-ahead 2", "share": 0.004, "median_wait_ms": 0.4, "median_step_s": 0.35, "runs": 2},
+                {"case": "read-ahead 0", "share": 0.05, "median_wait_ms": 17.0, "median_step_s": 0.37, "runs": 2},
+            ],
+        }
+    }
+    md = report.markdown(results)
+    assert "## 8. Data" in md and "Command: `python benchmarks/run.py --only data` (d, x, 200.0 s)" in md
+    assert "| plain loop | 3,000,000 | 2.0 | 1,500,000 | 1.00x |" in md
+    assert "| prepare | 3,000,000 | 2.4 (wall 9.5) | 1,250,000 | 0.83x |" in md
+    assert "| read-ahead 2 | 0.4% | 0.4 | 0.350 | 2 |" in md and "| read-ahead 0 | 5.0% |" in md
+    (line,) = report.table(results).splitlines()
+    assert line.startswith("data") and "0.83x" in line and "read-ahead 2 0.4%" in line
+    failed = report.markdown({"data": {**meta, "error": "RuntimeError: no moto"}})
+    assert "**Failed**: `RuntimeError: no moto`" in failed and "| plain loop |" not in failed
+
+
 def test_a_rerun_keeps_the_figures_from_development_runs(tmp_path):
     """BENCHMARKS.md's hand-written section survives a rerun verbatim; the generated sections are
     rewritten from the results, as before."""
