@@ -29,6 +29,7 @@ FLOORS = {
     "rayhybrid.preflight": 7,
     "rayhybrid.tune": 8,
     "rayhybrid.export": 8,
+    "rayhybrid.prepare": 8,
     "rayhybrid.plan.__main__": 9,
     "rayhybrid.api": 9,
     "rayhybrid.__main__": 9,

@@ -1,0 +1,252 @@
+"""`prepare(cfg)`: list the inputs, load the tokenizer, check the output, then read, tokenize
+and write the shards with Ray Data, and commit with index.json.
+
+Everything that can be checked without Ray is checked first (the inputs exist and have the
+field, the tokenizer loads and has an EOS id, the output is writable and holds no other
+dataset), so most mistakes cost no cluster. Ray Data runs one pipeline, in the input's order
+(`preserve_order`): read tasks -> an actor pool of tokenizers -> one shard per write task.
+Errors raised inside Ray arrive wrapped in Ray's own; `refusal` takes the one line back out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+from rayhybrid.config.prepare import PrepareConfig
+from rayhybrid.errors import ConfigError, RayHybridError
+from rayhybrid.prepare.inputs import Inputs, check_field, find_bad_file, list_inputs
+from rayhybrid.prepare.output import (
+    build_index,
+    clear_stale,
+    committed,
+    make_recipe,
+    open_output,
+    write_index,
+)
+from rayhybrid.prepare.tokenize import TokenizerInfo, load_tokenizer
+from rayhybrid.storage.store import Store, forwarded_env, one_line
+
+log = logging.getLogger(__name__)
+
+TASK_CPUS = 0.5  # each read and write task: two of them fit in the CPU the actors leave free
+BATCH_DOCUMENTS = {"text": 16}  # documents per tokenizer call: whole files for text
+DEFAULT_BATCH = 256
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a prepare did: the dataset's URL and size; `already`: it was there, committed."""
+
+    url: str
+    documents: int
+    tokens: int
+    shards: int
+    seconds: float = 0.0
+    already: bool = False
+
+
+def prepare(cfg: PrepareConfig) -> Prepared:
+    """Prepare `cfg.input` into `cfg.output` (see the module's docstring); raises ConfigError
+    (a one-line refusal naming the setting) or RayHybridError (a failure)."""
+    inputs = list_inputs(cfg.input, cfg.format, cfg.storage_options)
+    if inputs.format != "text":
+        check_field(inputs, cfg.field)
+    store = open_output(cfg.output, cfg.storage_options, inputs)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.bos)
+    recipe = make_recipe(inputs, tokenizer, cfg)
+    done = committed(store, recipe)
+    if done is not None:
+        log.info("already prepared: %s (%d documents, %d tokens)", store.display, done.documents, done.tokens)
+        return Prepared(store.display, done.documents, done.tokens, len(done.shards), already=True)
+    removed = clear_stale(store)
+    if removed:
+        log.info("removed %d files of a prepare that did not finish at %s", removed, store.display)
+    log.info(
+        "reading %d files (%s) from %s as %s",
+        len(inputs.files),
+        _size(inputs.num_bytes),
+        inputs.display,
+        inputs.format if inputs.format == "text" else f"{inputs.format}, field {cfg.field!r}",
+    )
+    try:
+        shards, seconds = tokenize_and_write(cfg, inputs, tokenizer, store)
+        index = build_index(recipe, shards, tokenizer.dtype)
+        if index["documents"] == 0:
+            raise ConfigError("input", f"{inputs.display} holds no documents; nothing to prepare")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            clear_stale(store)  # a failed prepare leaves no shards behind (a killed one may: see clear_stale)
+        raise
+    tokens = index["tokens"]
+    log.info(
+        "tokenized and wrote %d documents, %d tokens in %d shards, %.0f tokens/s",
+        index["documents"],
+        tokens,
+        len(shards),
+        tokens / max(seconds, 1e-9),
+    )
+    log.info("committed %s", write_index(store, index))
+    return Prepared(store.display, index["documents"], tokens, len(shards), seconds)
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1000 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1000
+    return ""
+
+
+@contextlib.contextmanager
+def ray_session(address: str):
+    """Ray for the prepare: the one already initialised (a notebook, a test), else the cluster
+    at `address` or RAY_ADDRESS, else a local Ray on this machine's CPUs. Yields which of them
+    ("reused", "joined", "local"); a Ray this call joined or started is left at the end."""
+    import ray
+
+    if ray.is_initialized():
+        yield "reused"
+        return
+    target = address or os.environ.get("RAY_ADDRESS", "")
+    if target:
+        from rayhybrid.cluster.connect import join
+
+        join(target, "address" if address else "RAY_ADDRESS", 30.0)
+    else:
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        ray.init(
+            address="local",
+            num_cpus=os.cpu_count(),
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+    try:
+        yield "joined" if target else "local"
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def data_context():
+    """Ray Data keeps the input's order (else blocks come out as they finish); progress bars
+    only on a terminal; Parquet is read by the first reader (Ray 2.60's DataSourceV2 spent
+    10-15 s listing three local files per read, where the first reader took 1 s). The previous
+    settings come back afterwards."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.use_datasource_v2
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = sys.stderr.isatty()
+    ctx.use_datasource_v2 = False
+    try:
+        yield ctx
+    finally:
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.use_datasource_v2 = saved
+
+
+def actor_plan(requested: int) -> tuple[int, float]:
+    """(tokenizer actors, CPUs each): by default one per CPU but one; together they always
+    leave one CPU to the read and write tasks (actors holding every CPU starve the reads and
+    the job hangs without an error)."""
+    import ray
+
+    cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1.0)))
+    workers = requested or max(1, int(cpus) - 1)
+    spare = cpus - 1.0 if cpus >= 2 else cpus / 2
+    return workers, round(max(0.01, min(1.0, spare / workers)), 3)
+
+
+def read_dataset(inputs: Inputs, field: str, runtime_env: dict | None):
+    """The documents, in input order: a row per document with its text (or bytes) and path."""
+    import ray.data
+
+    from rayhybrid.prepare.tokenize import read_arrow
+
+    paths = [s.path for s in inputs.readable]
+    remote = {"num_cpus": TASK_CPUS, "runtime_env": runtime_env}
+    fs = None if inputs.local else inputs.fs
+    if inputs.format == "text":
+        return ray.data.read_binary_files(paths, include_paths=True, filesystem=fs, **remote)
+    if inputs.format == "jsonl":
+        return ray.data.read_json(paths, include_paths=True, filesystem=fs, file_extensions=None, **remote)
+    if inputs.format == "parquet":
+        ds = ray.data.read_parquet(paths, include_paths=True, filesystem=fs, file_extensions=None, **remote)
+        return ds.select_columns([field, "path"])
+    items = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=len(paths))
+    kwargs = {"fs": inputs.fs, "field": field, "protocol": inputs.protocol}
+    return items.map_batches(read_arrow, batch_size=1, fn_kwargs=kwargs, **remote)
+
+
+def tokenize_and_write(
+    cfg: PrepareConfig, inputs: Inputs, tokenizer: TokenizerInfo, store: Store
+) -> tuple[list[dict], float]:
+    """Run the pipeline; returns the shards in stream order and the seconds it took."""
+    with ray_session(cfg.address) as how, data_context():
+        import ray.data
+
+        from rayhybrid.prepare.shards import ShardSink
+        from rayhybrid.prepare.tokenize import Tokenize
+
+        workers, cpus = actor_plan(cfg.workers)
+        log.info("tokenizing with %d actor(s) of %s, %s CPU each", workers, tokenizer.name, cpus)
+        # Read and write tasks reach the stores with the driver's settings (the workers of a
+        # Ray this call started inherit them; the tokenizers need none).
+        env = forwarded_env() if how != "local" else {}
+        task_env = {"env_vars": env} if env else None
+        kwargs = {
+            "tokenizer": tokenizer,
+            "fmt": inputs.format,
+            "field": cfg.field,
+            "bos": cfg.bos,
+            "protocol": inputs.protocol,
+            "threads": max(1, round(cpus)),
+        }
+        sink = ShardSink(store.url, store.options, tokenizer.dtype)
+        start = time.monotonic()
+        try:
+            ds = read_dataset(inputs, cfg.field, task_env).map_batches(
+                Tokenize,
+                fn_constructor_kwargs=kwargs,
+                compute=ray.data.ActorPoolStrategy(size=workers),
+                num_cpus=cpus,
+                batch_size=BATCH_DOCUMENTS.get(inputs.format, DEFAULT_BATCH),
+                batch_format="numpy",
+            )
+            ds.write_datasink(sink, ray_remote_args={"num_cpus": TASK_CPUS, "runtime_env": task_env})
+        except Exception as err:  # noqa: BLE001 - Ray wraps whatever failed; `refusal` unwraps it
+            raise refusal(err, inputs, cfg.field) from None
+        return sink.shards, time.monotonic() - start
+
+
+_CONFIG_ERROR = re.compile(r"rayhybrid\.errors\.ConfigError: ([^\s:]+): ([^\n]*)")
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Invalid)): (.+)$", re.MULTILINE)
+
+
+def refusal(err: BaseException, inputs: Inputs, field: str) -> RayHybridError:
+    """An error of the Ray pipeline as the one-line error to raise: the ConfigError a task
+    raised (Ray keeps only its text), else the input file to blame, else the failure itself."""
+    seen, cause = set(), err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, RayHybridError):
+            return cause
+        seen.add(id(cause))
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    text = str(err)
+    found = _CONFIG_ERROR.findall(text)
+    if found:
+        setting, message = found[-1]
+        return ConfigError(setting, message.strip())
+    bad = find_bad_file(inputs, field)
+    if bad is not None:
+        return bad
+    lines = [f"{name}: {message}" for name, message in _ERROR_LINE.findall(text) if "ray." not in name]
+    return RayHybridError(f"prepare failed: {lines[-1] if lines else one_line(err)}"[:400])
