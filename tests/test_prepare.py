@@ -373,8 +373,9 @@ def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL the prepare's driver, then every process left in the session started for it
     (the Ray it started: its workers would otherwise write on until they notice), until none
     is left (a raylet may start one more while it dies)."""
-    sid = os.getsid(proc.pid)
-    os.kill(proc.pid, signal.SIGKILL)
+    sid = proc.pid  # started with start_new_session: it leads its own session
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30
     while (left := session_processes(sid)) and time.monotonic() < deadline:
