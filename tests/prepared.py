@@ -50,7 +50,7 @@ def write_dataset(
         bin_name, len_name = shard_files(i)
         fs.pipe_file(f"{root}/{bin_name}", tokens.tobytes())
         fs.pipe_file(f"{root}/{len_name}", lengths_bytes(np.array([len(d) for d in docs], np.int64)))
-        listed.append({"name": bin_name.removesuffix(".bin"), "documents": len(docs), "tokens": int(len(tokens))})
+        listed.append({"name": bin_name.removesuffix(".bin"), "documents": len(docs), "tokens": len(tokens)})
     n, total = len(documents), sum(len(d) for d in documents)
     index = {
         "format": FORMAT,
