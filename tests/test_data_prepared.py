@@ -299,3 +299,11 @@ def test_a_checkpoint_resumes_only_on_the_data_it_was_trained_on(tmp_path):
     trainer = SimpleNamespace(stream=other, cfg=SimpleNamespace(train=SimpleNamespace(global_batch_size=8)))
     with pytest.raises(ValueError, match="trained on other data"):
         restore(trainer, "ckpt", {"global_batch_size": 8, "data": mix.identity()})
+
+
+def test_open_prepared_is_importable_from_the_data_package(tmp_path):
+    from rayhybrid.data import open_prepared as public
+
+    docs = random_documents(5, seed=15)
+    ds = public(write_dataset(tmp_path / "ds", docs, shards=2))
+    assert ds.num_documents == 5 and ds.document(4).tolist() == docs[4] and ds.tokenizer["eos_id"] == 0
