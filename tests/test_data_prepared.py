@@ -307,3 +307,11 @@ def test_open_prepared_is_importable_from_the_data_package(tmp_path):
     docs = random_documents(5, seed=15)
     ds = public(write_dataset(tmp_path / "ds", docs, shards=2))
     assert ds.num_documents == 5 and ds.document(4).tolist() == docs[4] and ds.tokenizer["eos_id"] == 0
+
+
+def test_the_step_line_shows_the_wait_for_data():
+    from rayhybrid.driver.runlog import step_line
+
+    metrics = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "step_time_s": 0.25}
+    line = step_line({**metrics, "data_wait_s": 0.012, "val_loss": 2.4}, total=10)
+    assert line.endswith("| 0.25s/step | data wait 12.0ms | val_loss 2.4000"), line

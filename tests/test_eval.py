@@ -282,7 +282,7 @@ COMMON = [*EVAL, "checkpoint.every=3", "eval.every=3", "train.steps=12"]
 def local_ray():
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
 

@@ -26,7 +26,7 @@ EVAL = ["eval.every=3", "eval.batches=2"]  # the held-out loss, at every checkpo
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
 

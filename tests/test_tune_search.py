@@ -293,7 +293,7 @@ def test_searcher_in_a_ray_tune_run(tmp_path):
         )
 
     searcher = PlanSearcher(TunePlan(oracle.budget_mb, n0=4, activation_checkpointing=(False,)))
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         tuner = tune.Tuner(
             trial,

@@ -268,8 +268,8 @@ class DataTrace:
 def step_line(metrics: StepMetrics, total: int) -> str:
     """The line a step prints: loss, lr, gradient norm, throughput, time, and what was measured."""
     extra = (
-        (f" | val_loss {metrics['val_loss']:.4f}" if metrics.get("val_loss") is not None else "")
-        + (f" | data wait {metrics['data_wait_s'] * 1e3:.1f}ms" if metrics.get("data_wait_s") is not None else "")
+        (f" | data wait {metrics['data_wait_s'] * 1e3:.1f}ms" if metrics.get("data_wait_s") is not None else "")
+        + (f" | val_loss {metrics['val_loss']:.4f}" if metrics.get("val_loss") is not None else "")
         + "".join(
             f" | {name} {metrics[key]:.1%}"
             for key, name in (("mfu", "MFU"), ("bubble", "bubble"))
