@@ -32,7 +32,11 @@ MIB_PER_GB = 1024
 # Each recipe's GPU: the A100 40GB of examples/elastic_cluster.yaml's p4d.24xlarge nodes, and
 # the H100 80GB nodes the Llama recipe is written for. The plan counts tensors only (no CUDA
 # context, NCCL buffers or allocator fragmentation): it must leave 15% of the GPU to those.
-GPU_MIB = {"gpt3_xl_elastic": 40 * MIB_PER_GB, "llama3.1_8b_2x8": 80 * MIB_PER_GB, "llama3.2_1b_prepared": 80 * MIB_PER_GB}
+GPU_MIB = {
+    "gpt3_xl_elastic": 40 * MIB_PER_GB,
+    "llama3.1_8b_2x8": 80 * MIB_PER_GB,
+    "llama3.2_1b_prepared": 80 * MIB_PER_GB,
+}
 HEADROOM = 0.85
 GPUS_PER_NODE = 8
 
