@@ -105,3 +105,20 @@ def objects(url: str, endpoint: str) -> dict[str, bytes]:
 
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing", skip_instance_cache=True)
     return {path: fs.cat_file(path) for path in fs.find(url)}
+
+
+@contextlib.contextmanager
+def s3_session(bucket: str):
+    """moto's S3 server on loopback, AWS_ENDPOINT_URL and test credentials set, `bucket` made;
+    yields the endpoint. The environment and s3fs's instance cache are restored afterwards (no
+    client built for another endpoint is reused, before or after)."""
+    import s3fs
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(loopback_aws())  # first: a client that loses its endpoint fails here
+        endpoint = stack.enter_context(moto_server())
+        stack.enter_context(env(AWS_ENDPOINT_URL=endpoint, **CREDENTIALS))
+        stack.callback(s3fs.S3FileSystem.clear_instance_cache)
+        s3fs.S3FileSystem.clear_instance_cache()
+        make_bucket(bucket, endpoint)
+        yield endpoint

@@ -8,7 +8,6 @@ cluster in test_data_cluster.py.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -28,7 +27,7 @@ from rayhybrid.data.reader import PreparedStream
 from rayhybrid.errors import ConfigError
 from rayhybrid.preflight import load_config
 from tests.prepared import random_documents, write_dataset
-from tests.s3 import CREDENTIALS, env, loopback_aws, make_bucket, moto_server
+from tests.s3 import s3_session
 
 SEQ = 16
 
@@ -140,15 +139,7 @@ class _Patched:
 
 @pytest.fixture(scope="module")
 def s3():
-    import s3fs
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(loopback_aws())
-        endpoint = stack.enter_context(moto_server())
-        stack.enter_context(env(AWS_ENDPOINT_URL=endpoint, **CREDENTIALS))
-        stack.callback(s3fs.S3FileSystem.clear_instance_cache)
-        s3fs.S3FileSystem.clear_instance_cache()
-        make_bucket("data", endpoint)
+    with s3_session("data") as endpoint:
         yield endpoint
 
 

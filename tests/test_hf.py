@@ -13,7 +13,6 @@ the loss is far from uniform and a weight loaded into the wrong place shows.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -329,29 +328,14 @@ def test_export_loads_in_transformers_with_the_next_loss(trained, exported):
     assert {**vars(back), "init_from": ""} == {**vars(trained["cfg"].model), "init_from": ""}
 
 
-@contextlib.contextmanager
-def s3_endpoint():
-    import s3fs
-
-    from tests.s3 import CREDENTIALS, env, loopback_aws, make_bucket, moto_server
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(loopback_aws())
-        endpoint = stack.enter_context(moto_server())
-        stack.enter_context(env(AWS_ENDPOINT_URL=endpoint, **CREDENTIALS))
-        stack.callback(s3fs.S3FileSystem.clear_instance_cache)
-        s3fs.S3FileSystem.clear_instance_cache()
-        make_bucket(BUCKET, endpoint)
-        yield endpoint
-
-
 @pytest.mark.slow
 def test_export_from_s3(trained, exported, tmp_path, capsys):
     from safetensors.torch import load_file
 
     from rayhybrid.export import main
+    from tests.s3 import s3_session
 
-    with s3_endpoint():
+    with s3_session(BUCKET):
         store = Store.open(f"s3://{BUCKET}/run")
         step = os.path.basename(trained["path"])
         store.fs.put(trained["path"], f"{store.root}/{step}", recursive=True)

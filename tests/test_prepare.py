@@ -37,7 +37,7 @@ import pytest
 from rayhybrid.config.prepare import PrepareConfig, compose_prepare
 from rayhybrid.data.prepared import INDEX, held_out_documents, open_prepared
 from rayhybrid.errors import ConfigError
-from tests.s3 import CREDENTIALS, env, loopback_aws, make_bucket, moto_server
+from tests.s3 import s3_session
 from tests.tokenizer import corpus, make_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,13 +70,7 @@ def s3():
     """moto's S3 endpoint with AWS_ENDPOINT_URL and test credentials set, and a bucket."""
     import s3fs
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(loopback_aws())  # first: a client that loses its endpoint fails here
-        endpoint = stack.enter_context(moto_server())
-        stack.enter_context(env(AWS_ENDPOINT_URL=endpoint, **CREDENTIALS))
-        stack.callback(s3fs.S3FileSystem.clear_instance_cache)
-        s3fs.S3FileSystem.clear_instance_cache()
-        make_bucket(BUCKET, endpoint)
+    with s3_session(BUCKET) as endpoint:
         yield s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
 
 

@@ -6,7 +6,6 @@ reaches a real cloud). One process, a 1-rank gloo group; no Ray."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
@@ -45,7 +44,7 @@ from rayhybrid.storage.store import (
 )
 from rayhybrid.trainer import checkpoint as ckpt
 from tests.distributed import free_port
-from tests.s3 import CREDENTIALS, DEAD_ENDPOINT, env, loopback_aws, make_bucket, moto_server, objects
+from tests.s3 import DEAD_ENDPOINT, env, objects, s3_session
 
 BUCKET = "rayhybrid-tests"
 
@@ -54,15 +53,7 @@ BUCKET = "rayhybrid-tests"
 def s3():
     """moto's S3 endpoint, with AWS_ENDPOINT_URL and test credentials set and a bucket made;
     the environment and s3fs's instance cache are restored afterwards."""
-    import s3fs
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(loopback_aws())  # first: a client that loses its endpoint fails here
-        endpoint = stack.enter_context(moto_server())
-        stack.enter_context(env(AWS_ENDPOINT_URL=endpoint, **CREDENTIALS))
-        stack.callback(s3fs.S3FileSystem.clear_instance_cache)
-        s3fs.S3FileSystem.clear_instance_cache()  # no client built for another endpoint
-        make_bucket(BUCKET, endpoint)
+    with s3_session(BUCKET) as endpoint:
         yield endpoint
 
 

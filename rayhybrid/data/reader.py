@@ -27,16 +27,10 @@ import torch
 from rayhybrid.config.schema import DataConfig
 from rayhybrid.data.packing import Mixture, Part, mixture_entries, training_documents
 from rayhybrid.data.prepared import PreparedDataset, open_prepared
-from rayhybrid.data.streams import SampleStream
+from rayhybrid.data.streams import HELD_OUT, SampleStream
 
 CACHE_CHUNK = 1 << 20
 """Bytes per cached chunk of a shard (data.cache_dir)."""
-HELD_OUT_KEY = 0x4E1D
-
-
-def sources(cfg: DataConfig) -> list[tuple[str, float]]:
-    """(URL, weight) of every dataset data=prepared trains on: data.mix, else data.path alone."""
-    return [(url, weight) for _, url, weight in mixture_entries(cfg)]
 
 
 class PreparedStream(SampleStream):
@@ -56,20 +50,24 @@ class PreparedStream(SampleStream):
     @classmethod
     def open(cls, cfg: DataConfig, seed: int) -> PreparedStream:
         """The training stream: every dataset's documents but its held-out ones."""
-        datasets = [open_prepared(url) for url, _ in sources(cfg)]
-        parts = [Part(ds, training_documents(ds), cfg.seq_len) for ds in datasets]
-        return cls(parts, [url for url, _ in sources(cfg)], [w for _, w in sources(cfg)], cfg, (seed,))
+        return cls._mixed(cfg, (seed,), training_documents)
 
     @classmethod
     def held_out(cls, cfg: DataConfig, seed: int) -> PreparedStream:
-        """Evaluation's stream: data.val_path's documents, else every dataset's held-out ones,
-        mixed with the same weights."""
+        """Evaluation's stream (seeded apart with streams.HELD_OUT): data.val_path's documents,
+        else every dataset's held-out ones, mixed with the same weights."""
         if cfg.val_path:
             part = Part(open_prepared(cfg.val_path), None, cfg.seq_len)
-            return cls([part], [cfg.val_path], [1.0], cfg, (seed, HELD_OUT_KEY))
-        datasets = [open_prepared(url) for url, _ in sources(cfg)]
-        parts = [Part(ds, ds.held_out, cfg.seq_len) for ds in datasets]
-        return cls(parts, [url for url, _ in sources(cfg)], [w for _, w in sources(cfg)], cfg, (seed, HELD_OUT_KEY))
+            return cls([part], [cfg.val_path], [1.0], cfg, (seed, HELD_OUT))
+        return cls._mixed(cfg, (seed, HELD_OUT), lambda ds: ds.held_out)
+
+    @classmethod
+    def _mixed(cls, cfg: DataConfig, key: tuple, documents) -> PreparedStream:
+        """data.mix (or data.path alone), each dataset's `documents(dataset)` packed."""
+        entries = mixture_entries(cfg)
+        datasets = [open_prepared(url) for _, url, _ in entries]
+        parts = [Part(ds, documents(ds), cfg.seq_len) for ds in datasets]
+        return cls(parts, [url for _, url, _ in entries], [w for _, _, w in entries], cfg, key)
 
     def identity(self) -> dict:
         return {
@@ -95,9 +93,6 @@ class PreparedStream(SampleStream):
         """Samples [start, start + count): from the read-ahead when it has them, else read now."""
         future = self._ahead.pop((start, count), None)
         rows = future.result() if future is not None else self._read(range(start, start + count))
-        self.last_read = [
-            (i, self.names[d], epoch, s) for i in range(start, start + count) for d, epoch, s in [self.locate(i)]
-        ]
         data = torch.from_numpy(np.stack(rows))
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
