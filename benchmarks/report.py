@@ -423,7 +423,10 @@ def _data(r: dict) -> str:
             ],
         ],
     )
-    out += f"\nprepare wrote {prep['documents']:,} documents in {prep['shards']} shards.\n\n"
+    out += (
+        f"\nThe corpus: {r['megabytes']} MB. prepare wrote {prep['documents']:,} documents in {prep['shards']} shards"
+    )
+    out += f", tokenizing with {prep['actors'].strip()}.\n\n" if prep.get("actors") else ".\n\n"
     out += _table(
         ["training from S3", "wait share", "median wait (ms)", "median step (s)", "runs"],
         [

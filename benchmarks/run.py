@@ -445,7 +445,9 @@ def data(tmp: Path, quick: bool) -> dict:
     dataset in S3 (moto's server on 127.0.0.1, in this process), with read-ahead (the default,
     2 steps) and without: the share of step time the slowest rank waited for its samples (goal:
     at most 1% with it). Runs alternate A B B A."""
-    megabytes, steps, pairs = (12, 12, 1) if quick else (40, 20, 2)
+    # The corpus is large enough that prepare's fixed costs (Ray's start, the actors' processes)
+    # are a small share; at 12 MB they were most of its time.
+    megabytes, steps, pairs = (96, 12, 1) if quick else (256, 20, 2)
     corpus, tok = tmp / "corpus", tmp / "tokenizer"
     files = _corpus(corpus, megabytes)
     _tokenizer(tok, files[0], vocab_size=2048)
@@ -462,7 +464,8 @@ def data(tmp: Path, quick: bool) -> dict:
         check=True,
     )
     wall = time.perf_counter() - started
-    line = next(ln for ln in (proc.stdout + proc.stderr).splitlines() if "tokenized and wrote" in ln)
+    output = (proc.stdout + proc.stderr).splitlines()
+    line = next(ln for ln in output if "tokenized and wrote" in ln)
     index = json.loads((out / "index.json").read_text())
     prepare = {
         "tokens": index["tokens"],
@@ -471,6 +474,7 @@ def data(tmp: Path, quick: bool) -> dict:
         "wall_s": wall,
         "tokens_per_s": float(line.rsplit(",", 1)[1].split()[0]),
         "line": line.strip(),
+        "actors": next((ln.split("tokenizing with ", 1)[1] for ln in output if "tokenizing with " in ln), ""),
     }
     runs = {"read-ahead 2": [], "read-ahead 0": []}
     order = [name for i in range(pairs) for name in (list(runs) if i % 2 == 0 else list(runs)[::-1])]

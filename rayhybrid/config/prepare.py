@@ -51,7 +51,7 @@ SETTINGS = {
     "state.json and *.arrow files is a saved Hugging Face dataset), text (one document per file), jsonl, "
     "parquet or hf",
     "field": "the JSON key, or the Parquet/Arrow column, that holds each document's text",
-    "workers": "tokenizer actors; 0: as many as the cluster's CPUs allow, one CPU left for reading",
+    "workers": "tokenizer actors; 0: one per CPU of the cluster (together they reserve all but one CPU, for reading and writing)",
     "bos": "true: each document starts with the tokenizer's BOS id (every document ends with its EOS id)",
     "val_fraction": "a fraction of whole documents held out for evaluation (0: none)",
     "address": "a Ray cluster (ip:port, auto or ray://...); empty: RAY_ADDRESS, else a local Ray",

@@ -19,6 +19,7 @@ code that Ray Data runs.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -233,7 +234,7 @@ class Tokenize:
             content[ends - lengths] = False
             tokens[ends - lengths] = self.bos_id
         tokens[ends - 1] = self.eos_id
-        tokens[content] = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(content.sum()))
+        tokens[content] = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(content.sum()))
         return {
             "tokens": np.array([tokens.tobytes()], dtype=object),
             "lengths": np.array([lengths.tobytes()], dtype=object),
