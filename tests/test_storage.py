@@ -418,8 +418,9 @@ def failing(monkeypatch):
 
 
 def test_failed_upload_is_reported_not_committed(saver, failing):
-    """DCP's CheckpointException (a BaseException) becomes a record with "error"; the previous
-    checkpoint stays the latest."""
+    """A write that fails in the upload thread becomes a record with a one-line "error" naming
+    it (the thread writes with DCP's writer directly, so the error is the writer's own, not
+    DCP's CheckpointException); the previous checkpoint stays the latest."""
     saver.save()
     assert "error" not in saver.wait()[0]
     failing()
@@ -427,7 +428,7 @@ def test_failed_upload_is_reported_not_committed(saver, failing):
     saver.save()
     [failed] = saver.wait()
     assert failed["step"] == 2 and "upload_s" not in failed
-    assert failed["error"].startswith("CheckpointException") and "\n" not in failed["error"]
+    assert failed["error"].startswith("OSError") and "\n" not in failed["error"]
     assert not meta_exists(saver, 2)
     assert cs.latest(saver.store).step == 1
     assert steps(cs.committed(saver.store)) == [1]

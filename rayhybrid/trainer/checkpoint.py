@@ -9,10 +9,12 @@ by those names, so a checkpoint loads under any dp/pp/tp: DCP reads each rank's 
 tensor, whatever the saving layout was.
 
 Saves are asynchronous by default (`checkpoint.async_save`): a save blocks training only while
-it copies the state (DCP's staging); the upload runs in a thread on a gloo group of its own
-(NCCL jobs need a CPU group for it), and the marker is written when it is done. The next save
-waits for the previous one. A save that fails or is interrupted is never committed, so the
-previous checkpoint stays the latest.
+the ranks exchange DCP's plans (on a gloo group of their own: NCCL jobs need a CPU group for
+object collectives) and copy the state to CPU memory; the upload then runs in a thread that
+does no collective (upload.py), and rank 0 writes DCP's `.metadata` and the marker once every
+rank's data is in the store. The next save waits for the previous one. A save that fails or is
+interrupted is never committed, so the previous checkpoint stays the latest, and a rank's
+failure never blocks the others' upload threads or their leaving the process groups.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store, one_line
+from rayhybrid.trainer import upload
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +169,7 @@ class Saver:
         self.upload_group = trainer.upload_group if async_save else None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-upload") if async_save else None
         self._inflight: concurrent.futures.Future | None = None
-        self._lock = threading.Lock()
-        self._abandoned = False
+        self._abandon = upload.Abandon()
 
     @property
     def asynchronous(self) -> bool:
@@ -197,29 +198,15 @@ class Saver:
                 checkpoint_store.retain(store, self.keep, self.keep_best)
             end = time.perf_counter()
             return {**record, "blocked_s": end - start, "upload_s": end - written, "finished": finished}
-        upload = dcp.async_save(state, storage_writer=out, process_group=self.upload_group)
+        planned = upload.plan(state, out, self.upload_group)  # the plans exchanged; a CPU copy of the data
+        del state
         staged = time.perf_counter()
         record["blocked_s"] = staged - start
-        self._inflight = self._pool.submit(self._finish, upload, path, meta, record, staged)
+        # A module-level function holding nothing of the trainer: see rayhybrid/trainer/upload.py.
+        self._inflight = self._pool.submit(
+            _finish, planned, out, self.store, path, meta, record, staged, self._abandon, self.keep, self.keep_best
+        )
         return {**record, "finished": finished}
-
-    def _finish(self, upload, path: str, meta: dict, record: dict, staged: float) -> dict:
-        """In the upload thread: wait for every rank's data and DCP's .metadata, then commit
-        (rank 0), unless the save was abandoned meanwhile."""
-        try:
-            upload.result()
-        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            return {**record, "error": one_line(err)}
-        with self._lock:
-            if self._abandoned:
-                return {**record, "error": "abandoned: the process group it was written by failed"}
-            if self.rank == 0:
-                try:
-                    checkpoint_store.commit(self.store, path, meta)
-                    checkpoint_store.retain(self.store, self.keep, self.keep_best)
-                except Exception as err:  # noqa: BLE001 - reported to the driver, never committed
-                    return {**record, "error": one_line(err)}
-        return {**record, "upload_s": time.perf_counter() - staged}
 
     def poll(self) -> list[dict]:
         if self._inflight is None or not self._inflight.done():
@@ -233,10 +220,48 @@ class Saver:
         return self.poll()
 
     def close(self) -> None:
-        with self._lock:
-            self._abandoned = True
+        """Abandon the save in flight without waiting for it: it is never committed, and its
+        thread ends on its own (its writes are local; rank 0 stops waiting for the others)."""
+        self._abandon.set()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def _finish(
+    planned: upload.Planned,
+    out,
+    store: Store,
+    path: str,
+    meta: dict,
+    record: dict,
+    staged: float,
+    abandon: upload.Abandon,
+    keep: int,
+    keep_best: bool,
+) -> dict:
+    """In the upload thread: write this rank's data; rank 0 then commits once every rank's data
+    and DCP's .metadata are in the store, unless the save was abandoned meanwhile."""
+    abandoned = {**record, "error": "abandoned: the process group it was written by failed"}
+    try:
+        upload.upload(planned, out, store, path, abandon)
+    except upload.Abandoned:
+        return abandoned
+    except BaseException as err:  # noqa: BLE001 - a failed write or an abandoned save is reported, never raised
+        return {**record, "error": one_line(err)}
+
+    def commit() -> None:
+        checkpoint_store.commit(store, path, meta)
+        checkpoint_store.retain(store, keep, keep_best)
+
+    if planned.rank == 0:
+        try:
+            if not abandon.commit_unless_set(commit):
+                return abandoned
+        except Exception as err:  # noqa: BLE001 - reported to the driver, never committed
+            return {**record, "error": one_line(err)}
+    elif abandon.is_set():
+        return abandoned
+    return {**record, "upload_s": time.perf_counter() - staged}
 
 
 def load(trainer, path: str | Path, options: dict | None = None) -> None:

@@ -51,8 +51,8 @@ class Trainer:
         # All ranks, for checkpoints: a group of its own rather than the default one, so that
         # leaving it after a failure (see cluster/worker.py) closes its connections too.
         self.world_group = dist.new_group()
-        # Asynchronous checkpoint uploads run their collectives in a thread of their own, on a
-        # CPU group of their own (NCCL cannot stage; no other thread may share the group).
+        # Asynchronous saves exchange their plans on a CPU group of their own (NCCL cannot carry
+        # Python objects); their upload threads do no collective (trainer/upload.py).
         async_saves = cfg.checkpoint.async_save and cfg.checkpoint.every > 0
         self.upload_group = dist.new_group(backend="gloo") if async_saves else None
         self.saver = None
