@@ -21,6 +21,9 @@ from tests.distributed import run_configs, train_many
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 
 STEPS = 10
+WORLD8_STEPS = 6
+"""Thirteen configs on eight ranks: each is held to the reference's first 6 steps (by step 6 the
+reference has learned: GPT 5.55 -> 5.24, Llama 5.56 -> 5.08), which costs 50 s less than 10."""
 GLOBAL_BATCH = 8
 LOSS_RTOL = 1e-5
 """Per-step loss vs the reference. Observed differences are ~1e-7 relative (reduction order)."""
@@ -156,11 +159,11 @@ def world2_runs() -> list[dict]:
 @pytest.fixture(scope="module")
 def world8_runs() -> list[dict]:
     # Thirteen configs on eight ranks share two CPU cores: allow for a busy machine.
-    return run_configs(train_many, WORLD8, STEPS, timeout=600)
+    return run_configs(train_many, WORLD8, WORLD8_STEPS, timeout=600)
 
 
-def check_metrics(metrics: list[dict], cfg: Config) -> None:
-    assert len(metrics) == STEPS
+def check_metrics(metrics: list[dict], cfg: Config, steps: int = STEPS) -> None:
+    assert len(metrics) == steps
     for i, m in enumerate(metrics):
         assert METRIC_KEYS <= m.keys(), f"missing metrics {METRIC_KEYS - m.keys()}"
         assert m["step"] == i + 1
@@ -171,9 +174,10 @@ def check_metrics(metrics: list[dict], cfg: Config) -> None:
 
 
 def check_parity(ranks: list[dict], label: str, cfg: Config, reference: list[dict]) -> None:
+    """The label's runs against `reference`: as many steps, each equal to it."""
     runs = [r[label] for r in ranks]
     for metrics in runs:
-        check_metrics(metrics, cfg)
+        check_metrics(metrics, cfg, len(reference))
     ref_loss = [m["loss"] for m in reference]
     ref_norm = [m["grad_norm"] for m in reference]
     for rank, metrics in enumerate(runs):
@@ -207,4 +211,4 @@ def test_parity_world2(label, world2_runs, world1_runs):
 
 @pytest.mark.parametrize("label", list(WORLD8))
 def test_parity_dp2_pp2_tp2(label, world8_runs, world1_runs):
-    check_parity(world8_runs, label, WORLD8[label], world1_runs[reference_of(label)])
+    check_parity(world8_runs, label, WORLD8[label], world1_runs[reference_of(label)][:WORLD8_STEPS])
