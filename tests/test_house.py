@@ -30,6 +30,7 @@ FLOORS = {
     "rayhybrid.tune": 8,
     "rayhybrid.export": 8,
     "rayhybrid.prepare": 8,
+    "rayhybrid.goodput": 8,
     "rayhybrid.plan.__main__": 9,
     "rayhybrid.api": 9,
     "rayhybrid.__main__": 9,
