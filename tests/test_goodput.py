@@ -1,6 +1,7 @@
 """`python -m rayhybrid.goodput`: the simulator against Daly's closed form, its recommended
 interval against that form's optimum (and Young's first-order one), its coupling to the
-driver's own policies, the llama3 preset's ordering of strategies, and the command line."""
+driver's own policies, the llama3 preset's ordering of strategies, the meta preset, costs from a
+run directory (from_run), goodput.png, and the command line."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from rayhybrid.config.goodput import compose_goodput
+from rayhybrid.config.goodput import compose_goodput, given
 from rayhybrid.driver.policies import Decision, FailurePolicy, ScalingPolicy
 from rayhybrid.goodput.__main__ import main
 from rayhybrid.goodput.engine import CAUSES
+from rayhybrid.goodput.from_run import apply_run
 from rayhybrid.goodput.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,6 +153,8 @@ def test_the_command_line_writes_goodput_json(tmp_path):
     assert "restart_all" in proc.stdout and "peer_heal" in proc.stdout
     report = json.loads((tmp_path / "run" / "goodput.json").read_text())
     assert set(report["strategies"]) == {"restart_all", "replace_failed", "peer_heal", "elastic", "elastic_no_spares"}
+    png = (tmp_path / "run" / "goodput.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < len(png) < 2_000_000
     assert 0 < report["recommended_checkpoint_interval_s"]
     for s in report["strategies"].values():
         assert 0.0 <= s["effective_time"] <= 1.0
@@ -159,7 +163,7 @@ def test_the_command_line_writes_goodput_json(tmp_path):
 
 @pytest.mark.parametrize(
     ("argv", "setting"),
-    [(["gpus=lots"], "gpus"), (["failures=meta"], "failures"), (["costs.save_s=-5"], "costs.save_s")],
+    [(["gpus=lots"], "gpus"), (["failures=weibull"], "failures"), (["costs.save_s=-5"], "costs.save_s")],
 )
 def test_a_bad_setting_is_one_line_and_exit_code_2(argv, setting, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -176,3 +180,95 @@ def test_help_lists_every_setting_on_one_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     for name in SETTINGS:
         assert sum(line.startswith(f"  {name}=") for line in lines) == 1, name
+
+
+def test_the_meta_preset_is_7_9_hours_at_1024_gpus_per_gpu():
+    """Meta's research clusters: 7.9 h job MTTF measured at 1,024 GPUs, a constant rate per GPU."""
+    at_1k = simulate(compose_goodput(["gpus=1024", "days=2", "failures=meta", "strategy=restart_all"]))
+    at_16k = simulate(compose_goodput(["gpus=16384", "days=2", "failures=meta", "strategy=restart_all"]))
+    assert at_1k.job_mtbf_hours == pytest.approx(7.9, rel=1e-9)
+    assert at_16k.job_mtbf_hours == pytest.approx(7.9 / 16, rel=1e-9)
+    rescaled = compose_goodput(["gpus=1024", "days=2", "failures=meta", "failures.mtbf_hours=2"])
+    assert simulate(rescaled).job_mtbf_hours == pytest.approx(2.0, rel=1e-9)
+
+
+# A run of 8 ranks (dp 2 x pp 2 x tp 2) with three restarts, two saves and a committed
+# checkpoint of 8 MB (1 MB per rank), as rayhybrid's RunLog writes it.
+RESTARTS = [
+    {"detect_s": 1.0, "teardown_s": 0.5, "place_s": 2.0, "init_s": 3.0, "restore_s": 4.0, "first_step_s": 1.5},
+    {"detect_s": 2.0, "teardown_s": 0.5, "place_s": 4.0, "init_s": 5.0, "restore_s": 6.0, "first_step_s": 2.5},
+    {"detect_s": 9.0, "teardown_s": 9.5, "place_s": 9.0, "init_s": 9.0, "restore_s": 9.0, "first_step_s": 9.0},
+]
+
+
+def fake_run(root: Path, restarts=RESTARTS) -> Path:
+    run, ckpt = root / "run", root / "ckpt" / "step_00000020"
+    ckpt.mkdir(parents=True)
+    run.mkdir()
+    files = {".metadata": 1_000_000, **{f"__{r}_0.distcp": 875_000 for r in range(8)}}
+    (ckpt / "meta.json").write_text(json.dumps({"step": 20, "files": files}))
+    topo = {"dp": 2, "pp": 2, "tp": 2}
+    records = [{"step": s, "loss": 1.0, "step_time_s": 0.5 + 0.1 * (s % 3), **topo} for s in range(1, 31)]
+    records += [
+        {"event": "checkpoint", "step": 10, "path": str(root / "ckpt" / "step_00000010"), "blocked_s": 0.2}
+        | {"upload_s": 1.0, "async": False},
+        {"event": "checkpoint", "step": 20, "path": str(ckpt), "blocked_s": 0.4, "upload_s": 2.0, "async": False},
+    ]
+    for i, r in enumerate(restarts, 1):
+        records.append(
+            {"event": "restart", "restart": i, "failed_step": 5 * i, "cause": "rank 1: boom", "resume_step": 0}
+            | {"replaced_ranks": [1], "dp_before": 2, "dp_after": 2, "save_s": 0.0, "total_s": 20.0, **r}
+        )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "summary.json").write_text(json.dumps({"checkpoint_dir": str(root / "ckpt"), "restarts": 3}))
+    return run
+
+
+def test_from_run_turns_the_runs_medians_into_scaled_costs(tmp_path):
+    """Medians (each figure's own): detect 2, teardown 0.5, place 4, init 5, restore 6, first
+    step 2.5, step 0.6, blocked 0.3. At 1,024 GPUs: init x log2(1024)/log2(8) = 10/3; the run's
+    8 MB checkpoint is 1 MB per rank, 8 GB over 1,024 GPUs 7.8125 MB per rank."""
+    argv = ["gpus=1024", f"from_run={fake_run(tmp_path)}", "costs.checkpoint_gb=8", "costs.heal_s=7"]
+    cfg, measured = apply_run(compose_goodput(argv), given(argv))
+    per_rank = 8e9 / 1024 / 1e6
+    recovery = 0.5 + 4.0 + 5.0 * 10 / 3 + 6.0 * per_rank + (2.5 - 0.6)
+    c = cfg.costs
+    assert c.detect_s == 2.0 and c.step_s == pytest.approx(0.6)
+    assert c.replace_s == pytest.approx(recovery) and c.restart_s == pytest.approx(recovery)
+    assert c.save_s == pytest.approx(0.3 * per_rank)
+    assert c.heal_s == 7 and c.hang_detect_s == 300.0  # not measured: as set
+    assert measured["ranks"] == 8 and measured["checkpoint"]["bytes"] == 8_000_000
+    assert measured["checkpoint"]["path"].endswith("step_00000020")
+    limited = ["costs.storage_gbps=0.1", *argv]  # 8 GB take at least 80 s to read or write
+    slow = apply_run(compose_goodput(limited), given(limited))[0].costs
+    assert slow.replace_s == pytest.approx(recovery - 6.0 * per_rank + 80.0) and slow.save_s == pytest.approx(80.0)
+
+
+def test_from_run_keeps_costs_given_on_the_command_line(tmp_path):
+    argv = ["gpus=1024", f"from_run={fake_run(tmp_path)}", "costs.detect_s=11", "costs.restart_s=900"]
+    cfg, measured = apply_run(compose_goodput(argv), given(argv))
+    assert (cfg.costs.detect_s, cfg.costs.restart_s) == (11.0, 900.0)
+    assert cfg.costs.replace_s != 300.0  # the run's, not the default
+    assert measured["given"] == ["costs.detect_s", "costs.restart_s"]
+
+
+def test_from_run_on_the_command_line_writes_its_costs(tmp_path):
+    run = fake_run(tmp_path)
+    main(["gpus=1024", "days=2", f"from_run={run}", f"output_dir={tmp_path / 'out'}"])
+    report = json.loads((tmp_path / "out" / "goodput.json").read_text())
+    assert report["from_run"]["costs"]["detect_s"] == 2.0
+    assert report["settings"]["costs"]["detect_s"] == 2.0
+
+
+@pytest.mark.parametrize("case", ["missing", "not json", "no restarts"])
+def test_a_bad_from_run_is_one_line_and_exit_code_2(case, tmp_path, capsys):
+    run = tmp_path / "missing"
+    if case != "missing":
+        run = fake_run(tmp_path, restarts=[])
+        if case == "not json":
+            (run / "metrics.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["gpus=1024", "days=1", f"from_run={run}", f"output_dir={tmp_path / 'out'}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error: from_run:" in err and "restart records" in err

@@ -3,7 +3,7 @@ like the trainer's (`compose.py`) into a frozen `GoodputConfig`.
 
     cfg = compose_goodput(["gpus=16384", "days=54", "failures=llama3", "strategy=all"])
 
-`failures` is a config group whose options are the failure presets (`exponential`, `llama3`),
+`failures` is a config group whose options are the failure presets (`exponential`, `llama3`, `meta`),
 kept in Hydra's config store; `failures.mtbf_hours=...` then changes a field of the chosen
 one. Every mistake is a one-line `ConfigError` naming the setting: an unknown key, a value of
 the wrong type, a preset or strategy that does not exist, a value out of range.
@@ -23,7 +23,7 @@ from rayhybrid.config.compose import _unfreeze, conf_dir
 from rayhybrid.errors import ConfigError
 
 CONFIG_NAME = "goodput"
-PRESETS = ("exponential", "llama3")
+PRESETS = ("exponential", "llama3", "meta")
 STRATEGIES = ("restart_all", "replace_failed", "peer_heal", "elastic", "elastic_no_spares")
 
 
@@ -43,6 +43,8 @@ class CostsConfig:
     heal_s: float = 60.0
     save_s: float = 10.0
     step_s: float = 10.0
+    checkpoint_gb: float = 0.0
+    storage_gbps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class GoodputConfig:
     gpus_per_node: int = 8
     replica_gpus: int = 128
     output_dir: str = ""
+    from_run: str = ""
     failures: FailuresConfig = field(default_factory=FailuresConfig)
     costs: CostsConfig = field(default_factory=CostsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -89,9 +92,10 @@ class GoodputConfig:
 FAILURE_PRESETS = {
     "exponential": FailuresConfig(preset="exponential"),
     "llama3": FailuresConfig(preset="llama3", mtbf_hours=0.0),
+    "meta": FailuresConfig(preset="meta", mtbf_hours=0.0),
 }
-"""The options of the `failures` group. llama3's mtbf_hours is 0: the rates are Llama 3 405B's
-per GPU (rayhybrid/goodput/failures.py); a value rescales them to that job MTBF."""
+"""The options of the `failures` group. llama3's and meta's mtbf_hours is 0: the rates are the
+published ones per GPU (rayhybrid/goodput/failures.py); a value rescales them to that job MTBF."""
 
 SETTINGS = {
     "gpus": "GPUs of the simulated job (whole replicas of replica_gpus are used; the rest idle)",
@@ -101,11 +105,15 @@ SETTINGS = {
     "strategy": f"all, or one of {', '.join(STRATEGIES)}",
     "gpus_per_node": "GPUs of one node; a hardware failure takes one node out",
     "replica_gpus": "GPUs of one data-parallel replica (tp x pp), a multiple of gpus_per_node",
-    "output_dir": "where goodput.json goes; empty: a new outputs/goodput/<date>/<time> under the current directory",
-    "failures": f"the failure preset: {', '.join(PRESETS)} (Llama 3 405B's published breakdown, per GPU)",
-    "failures.mtbf_hours": "exponential: the whole job's mean time between failures; llama3: 0 keeps the "
+    "output_dir": "where goodput.json and goodput.png go; empty: a new outputs/goodput/<date>/<time> under the "
+    "current directory",
+    "from_run": "a rayhybrid run directory: costs.* from the medians of its metrics.jsonl restart, checkpoint "
+    "and step records, scaled to gpus (docs/goodput.md); costs given on the command line win",
+    "failures": f"the failure preset: {', '.join(PRESETS)} (llama3: Llama 3 405B's published breakdown; meta: "
+    "Meta's research clusters, 7.9 h job MTTF at 1,024 GPUs; both per GPU)",
+    "failures.mtbf_hours": "exponential: the whole job's mean time between failures; llama3, meta: 0 keeps the "
     "published rates, a value rescales them to this job MTBF",
-    "failures.hang_share": "exponential: the share of failures that hang (found after costs.hang_detect_s)",
+    "failures.hang_share": "exponential, meta: the share of failures that hang (found after costs.hang_detect_s)",
     "costs.detect_s": "seconds from a crash to the driver knowing it",
     "costs.hang_detect_s": "seconds from a hang to its detection (rayhybrid's fault.step_timeout_s)",
     "costs.restart_s": "downtime of restarting every rank from the checkpoint (restart_all, elastic)",
@@ -113,6 +121,10 @@ SETTINGS = {
     "costs.heal_s": "downtime of healing the failed ranks from a data-parallel peer (peer_heal)",
     "costs.save_s": "seconds a checkpoint save blocks training",
     "costs.step_s": "seconds of one optimizer step (peer_heal loses the step in progress)",
+    "costs.checkpoint_gb": "from_run: the simulated model's checkpoint size in GB (restore and save scale with "
+    "its bytes per rank); 0: the run's own newest committed checkpoint",
+    "costs.storage_gbps": "from_run: the storage's total bandwidth in GB/s (a restore, or a synchronous save, "
+    "takes at least checkpoint bytes / it); 0: unlimited",
     "checkpoint.interval_s": "seconds of work between saves; 0: each strategy's recommended interval",
     "spares.nodes": "spare nodes that replace failed ones at once (elastic_no_spares has none)",
     "spares.repair_hours": "hours until a failed node is back in the spare pool",
@@ -230,9 +242,9 @@ def check(cfg: GoodputConfig) -> None:
     _at_least("failures.mtbf_hours", cfg.failures.mtbf_hours, 0.0, "3.09")
     if cfg.failures.preset == "exponential" and cfg.failures.mtbf_hours <= 0:
         raise ConfigError("failures.mtbf_hours", "is 0; exponential failures need the job's MTBF, e.g. 3.09")
-    if cfg.failures.preset != "exponential" and cfg.failures.hang_share:
+    if cfg.failures.preset == "llama3" and cfg.failures.hang_share:
         raise ConfigError(
-            "failures.hang_share", "applies to failures=exponential only (llama3 has its own hangs); remove it"
+            "failures.hang_share", "applies to failures=exponential and meta only (llama3 has its own hangs); remove it"
         )
     if not 0.0 <= cfg.failures.hang_share <= 1.0:
         raise ConfigError("failures.hang_share", f"is {cfg.failures.hang_share}; give a share in [0, 1], e.g. 0.1")
@@ -240,6 +252,11 @@ def check(cfg: GoodputConfig) -> None:
     _at_least("spares.repair_hours", cfg.spares.repair_hours, 0.0, "24")
     _at_least("elastic.min_dp", cfg.elastic.min_dp, 1, "1")
     _at_least("fault.max_restarts", cfg.fault.max_restarts, 0, "1000000")
+
+
+def given(overrides: Sequence[str]) -> set[str]:
+    """The settings the command line gives explicitly (they win over from_run's costs)."""
+    return {item.partition("=")[0] for item in overrides}
 
 
 def compose_goodput(overrides: Sequence[str] = ()) -> GoodputConfig:

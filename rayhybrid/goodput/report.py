@@ -1,4 +1,4 @@
-"""goodput.json and the terminal table."""
+"""goodput.json, goodput.png (`plot.py`) and the terminal table."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rayhybrid.config.goodput import GoodputConfig
 from rayhybrid.goodput.engine import CAUSES
+from rayhybrid.goodput.plot import plot
 from rayhybrid.goodput.simulate import Result
 
 SHORT = {
@@ -33,18 +34,19 @@ def output_dir(cfg: GoodputConfig) -> Path:
     return path
 
 
-def as_json(cfg: GoodputConfig, result: Result) -> dict:
+def as_json(cfg: GoodputConfig, result: Result, measured: dict | None = None) -> dict:
     out = dataclasses.asdict(result)
-    return {"settings": dataclasses.asdict(cfg), **out}
+    return {"settings": dataclasses.asdict(cfg), **({"from_run": measured} if measured else {}), **out}
 
 
-def write(cfg: GoodputConfig, result: Result) -> Path:
-    """Write goodput.json into the output directory; returns its path."""
+def write(cfg: GoodputConfig, result: Result, measured: dict | None = None) -> Path:
+    """Write goodput.json (with what from_run measured, if given) and goodput.png into the
+    output directory; returns the folder."""
     folder = output_dir(cfg)
     os.makedirs(folder, exist_ok=True)
-    path = folder / "goodput.json"
-    path.write_text(json.dumps(as_json(cfg, result), indent=2) + "\n")
-    return path
+    (folder / "goodput.json").write_text(json.dumps(as_json(cfg, result, measured), indent=2) + "\n")
+    plot(cfg, result, folder / "goodput.png")
+    return folder
 
 
 def table(cfg: GoodputConfig, result: Result) -> str:
@@ -55,7 +57,13 @@ def table(cfg: GoodputConfig, result: Result) -> str:
         f"{result.failures_per_trace:.0f} failures per trace, {cfg.seeds} trace(s) from seed {cfg.seed}"
     )
     cols = "".join(f"{SHORT[c]:>10}" for c in CAUSES)
-    lines = [head, f"{'strategy':<18}{'effective':>10}{'interval_s':>11}{'failures':>9}  GPU-hours lost:{cols}"]
+    c = cfg.costs
+    costs = (
+        f"costs{' from ' + cfg.from_run if cfg.from_run else ''}: detect {c.detect_s:.1f} s, restart "
+        f"{c.restart_s:.1f} s, replace {c.replace_s:.1f} s, heal {c.heal_s:.1f} s, save {c.save_s:.2f} s, "
+        f"step {c.step_s:.2f} s"
+    )
+    lines = [head, costs, f"{'strategy':<18}{'effective':>10}{'interval_s':>11}{'failures':>9}  GPU-hours lost:{cols}"]
     for name, s in result.strategies.items():
         lost = "".join(f"{s.gpu_hours_lost[c]:>10.0f}" for c in CAUSES)
         lines.append(

@@ -1,0 +1,126 @@
+"""`from_run=<run dir>`: the costs of a real rayhybrid run, scaled to the simulated size.
+
+    cfg, measured = apply_run(cfg, given(argv))   # costs.* from the run, unless given
+
+The medians of the run's `metrics.jsonl` records (each figure's own median) are turned into
+`costs.*` for a job of `gpus` GPUs; W is the run's ranks (dp x pp x tp of its last step
+record), N the simulated job's GPUs, b and B the checkpoint bytes per rank of the run and of
+the simulated job:
+
+    detect_s  = detect_s                                 size-independent (assumed)
+    replace_s = teardown_s + place_s                     size-independent (assumed)
+                + init_s x log2(N) / log2(W)             grows with log2 of the ranks (assumed)
+                + max(restore_s x B / b, bytes / storage)  per-rank bandwidth kept (assumed)
+                + max(0, first_step_s - step_time_s)     the first step's warm-up
+    restart_s = replace_s                                rayhybrid measures only its own recovery
+    save_s    = blocked_s x B / b                        (a synchronous save: at least bytes / storage)
+    step_s    = step_time_s                              same work per replica (assumed)
+
+The checkpoint's bytes are the sizes in the newest committed checkpoint's meta.json ("files"),
+found from the run's checkpoint records (local paths) or summary.json's checkpoint_dir;
+`costs.checkpoint_gb` is the simulated model's, else the run's. Without a readable meta.json,
+restore and save are not scaled. Costs given on the command line are kept as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+
+from rayhybrid.config.goodput import GoodputConfig
+from rayhybrid.errors import ConfigError
+
+FIX = "give the directory of a rayhybrid run with at least one restart (its metrics.jsonl has restart records)"
+MEASURED = ("detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")
+
+
+def fail(message: str) -> ConfigError:
+    return ConfigError("from_run", f"{message}; {FIX}")
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's records; a ConfigError naming from_run when there is none to read."""
+    path = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise fail(f"{run_dir} is not a directory")
+    try:
+        lines = path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise fail(f"cannot read {path} ({type(err).__name__})") from None
+
+
+def median(records: list[dict], key: str) -> float:
+    values = [float(r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return statistics.median(values) if values else 0.0
+
+
+def committed_meta(run_dir: Path, checkpoints: list[dict]) -> tuple[str, dict] | None:
+    """The newest committed checkpoint's (path, meta.json) that can be read here, or None."""
+    candidates = [r["path"] for r in sorted(checkpoints, key=lambda r: r.get("step", 0), reverse=True) if r.get("path")]
+    try:
+        root = json.loads((run_dir / "summary.json").read_text()).get("checkpoint_dir") or ""
+    except (OSError, ValueError):
+        root = ""
+    if root and Path(root).is_dir():
+        candidates += [str(p) for p in sorted(Path(root).glob("step_*"), reverse=True)]
+    for path in candidates:
+        try:
+            meta = json.loads((Path(path) / "meta.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta.get("files"), dict) and meta["files"]:
+            return path, meta
+    return None
+
+
+def apply_run(cfg: GoodputConfig, given: set[str]) -> tuple[GoodputConfig, dict]:
+    """cfg with the run's costs scaled to the GPUs the job uses (whole replicas), except those
+    in `given`; and what was measured and how it was scaled (goodput.json's "from_run")."""
+    gpus = cfg.gpus // cfg.replica_gpus * cfg.replica_gpus
+    run_dir = Path(cfg.from_run).expanduser()
+    records = read_records(run_dir)
+    restarts = [r for r in records if r.get("event") == "restart"]
+    saves = [r for r in records if r.get("event") == "checkpoint" and r.get("blocked_s") is not None]
+    steps = [r for r in records if "event" not in r and "step_time_s" in r]
+    if not restarts:
+        raise fail(f"{run_dir / 'metrics.jsonl'} has no restart records")
+    last = steps[-1] if steps else {}
+    ranks = int(last.get("dp", 1)) * int(last.get("pp", 1)) * int(last.get("tp", 1))
+    m = {key: median(restarts, key) for key in MEASURED}
+    m["step_time_s"] = median(steps, "step_time_s")
+    m["blocked_s"], m["upload_s"] = median(saves, "blocked_s"), median(saves, "upload_s")
+
+    found = committed_meta(run_dir, [r for r in records if r.get("event") == "checkpoint"])
+    run_bytes = sum(found[1]["files"].values()) if found else 0
+    sim_bytes = cfg.costs.checkpoint_gb * 1e9 or run_bytes
+    per_rank = (sim_bytes / gpus) / (run_bytes / ranks) if run_bytes else 1.0
+    floor = sim_bytes / (cfg.costs.storage_gbps * 1e9) if cfg.costs.storage_gbps and sim_bytes else 0.0
+    growth = math.log2(max(gpus, 2)) / math.log2(max(ranks, 2))
+    restore = max(m["restore_s"] * per_rank, floor)
+    sync = not any(r.get("async") for r in saves)
+    recovery = (
+        m["teardown_s"] + m["place_s"] + m["init_s"] * growth + restore + max(0.0, m["first_step_s"] - m["step_time_s"])
+    )
+    costs = {
+        "detect_s": m["detect_s"],
+        "replace_s": recovery,
+        "restart_s": recovery,
+        "save_s": max(m["blocked_s"] * per_rank, floor if sync else 0.0) if saves else cfg.costs.save_s,
+        "step_s": m["step_time_s"] or cfg.costs.step_s,
+    }
+    kept = {k: v for k, v in costs.items() if f"costs.{k}" not in given}
+    measured = {
+        "run_dir": str(run_dir),
+        "records": {"restart": len(restarts), "checkpoint": len(saves), "step": len(steps)},
+        "ranks": ranks,
+        "medians": {k: round(v, 3) for k, v in m.items()},
+        "checkpoint": {"path": found[0] if found else None, "bytes": run_bytes, "simulated_bytes": sim_bytes},
+        "scale": {"init_log2_ranks": round(growth, 4), "bytes_per_rank": per_rank, "storage_floor_s": floor},
+        "costs": {k: round(v, 3) for k, v in kept.items()},
+        "given": sorted(f"costs.{k}" for k in costs if f"costs.{k}" in given),
+    }
+    return dataclasses.replace(cfg, costs=dataclasses.replace(cfg.costs, **kept)), measured
