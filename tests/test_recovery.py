@@ -150,6 +150,9 @@ def test_hung_rank_is_detected_by_step_timeout(tmp_path, reference):
     assert summary["restarts"] == 1 and "no progress for 3s" in summary["recoveries"][0]["cause"]
     # The stopped rank did not answer a ping and was replaced; the one blocked on it was kept.
     assert summary["recoveries"][0]["replaced_ranks"] == [1]
+    # Found and gone within the 2 s ping and a SIGKILL on its node (it was a 5 s ping, then
+    # ray.kill's grace of about 5 s for a process that cannot answer).
+    assert summary["recoveries"][0]["teardown_s"] < 5.0, summary["recoveries"][0]
     assert losses(run_dir) == pytest.approx(reference[:9], rel=1e-5)
     with pytest.raises(ProcessLookupError):  # the stopped worker was killed in the teardown
         for _ in range(50):

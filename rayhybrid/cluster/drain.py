@@ -6,11 +6,15 @@ answer are killed. `drain(group)` is `WorkerGroup.drain`, kept here with its tim
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 from dataclasses import dataclass
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayhybrid.cluster.placement import dead_nodes, wait_for_node_verdicts
 
@@ -20,8 +24,13 @@ log = logging.getLogger("rayhybrid.cluster.group")
 # group (they normally take well under a second: the failed rank's closed connections wake
 # them; a killed stopped process takes Ray about 5s to end).
 DRAIN_TIMEOUT_S = 30.0
-# How long a worker blocked in a collective gets to answer a ping before it counts as hung.
-PING_TIMEOUT_S = 5.0
+# How long a worker blocked in a collective gets to answer a ping before it counts as hung. The
+# ping runs in the worker's control thread, which answers in milliseconds while the main thread
+# is blocked in a collective or computing; a stopped or wedged process never does.
+PING_TIMEOUT_S = 2.0
+# How long the drain waits for a SIGKILL sent through a hung worker's node (a frozen node never
+# runs it: `ray.kill` and the node's health checks take over).
+SIGKILL_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,8 @@ def drain(group) -> Drained:
     topo = group.layout.topology
     workers = group.workers
     hung = unresponsive(group) if group._hung else set()
-    group._stop([workers[rank] for rank in hung])  # their connections close: blocked peers fail
+    sigkill([group.infos[rank] for rank in hung])  # their connections close: blocked peers fail
+    group._stop([workers[rank] for rank in hung])
     dead = set(hung)
     resets = {rank: workers[rank].reset.remote() for rank in range(len(workers)) if rank not in dead}
     done, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=DRAIN_TIMEOUT_S)
@@ -99,6 +109,32 @@ def unresponsive(group) -> set[int]:
         except (RayError, TimeoutError):
             silent.add(rank)
     return silent
+
+
+def sigkill(infos: list) -> None:
+    """SIGKILL the processes of hung workers at once, each on its own node: `ray.kill` first asks
+    a worker to exit and waits about 5 s before it kills one that does not answer (a stopped
+    process never does), and until the process is gone its peers stay blocked on it. A worker
+    on the driver's node is signalled directly, one elsewhere by a task pinned to its node.
+    Best effort: a node that cannot run the task leaves the worker to `ray.kill`."""
+    here = ray.get_runtime_context().get_node_id()
+    remote = []
+    for info in infos:
+        if info.node_id == here:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(info.pid, signal.SIGKILL)
+        else:
+            strategy = NodeAffinitySchedulingStrategy(node_id=info.node_id, soft=False)
+            remote.append(_sigkill.options(scheduling_strategy=strategy).remote(info.pid))
+    if remote:
+        done, _ = ray.wait(remote, num_returns=len(remote), timeout=SIGKILL_WAIT_S)
+        settle(done)
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _sigkill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def settle(refs: list) -> None:
