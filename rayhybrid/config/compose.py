@@ -218,3 +218,30 @@ def replace(cfg: Config, **sections: dict) -> Config:
         current = getattr(cfg, name)
         changes[name] = dataclasses.replace(current, **fields) if isinstance(fields, dict) else fields
     return dataclasses.replace(cfg, **changes)
+
+
+def tool_override_error(err: Exception, command: str) -> ConfigError:
+    """Hydra's error for a bad override of `python -m <command>` (prepare, goodput) as one line
+    naming the setting."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+            first = str(cause).splitlines()[0].strip()
+            return ConfigError(str(cause.full_key), f"{first}; python -m {command} --help lists the settings")
+        cause = cause.__cause__ or cause.__context__
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return ConfigError("overrides", " ".join(lines[:2]) or type(err).__name__)
+
+
+def compose_tool(config_name: str, command: str, overrides: list[str]) -> DictConfig:
+    """`conf/<config_name>.yaml` (a tool's settings, its schema registered) with normalized
+    overrides, not yet checked; a bad override is a ConfigError naming it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            return hydra_compose(config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise tool_override_error(err, command) from None

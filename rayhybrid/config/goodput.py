@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rayhybrid.config.compose import _unfreeze, conf_dir
+from rayhybrid.config.compose import _unfreeze, compose_tool, tool_override_error
 from rayhybrid.errors import ConfigError
 
 CONFIG_NAME = "goodput"
@@ -187,31 +187,10 @@ def normalize(overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def _override_error(err: Exception) -> ConfigError:
-    """Hydra's error for a bad override as one line naming the setting."""
-    cause: BaseException | None = err
-    while cause is not None:
-        if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
-            first = str(cause).splitlines()[0].strip()
-            return ConfigError(str(cause.full_key), f"{first}; python -m rayhybrid.goodput --help lists the settings")
-        cause = cause.__cause__ or cause.__context__
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return ConfigError("overrides", " ".join(lines[:2]) or type(err).__name__)
-
-
 def compose_node(overrides: Sequence[str] = ()) -> DictConfig:
     """`conf/goodput.yaml` with the command line's overrides, not yet checked."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-
     register_goodput_schema()
-    normalized = normalize(overrides)
-    try:
-        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-            return hydra_compose(CONFIG_NAME, overrides=normalized)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise _override_error(err) from None
+    return compose_tool(CONFIG_NAME, "rayhybrid.goodput", normalize(overrides))
 
 
 def _at_least(name: str, value: float, low: float, example: str) -> None:
@@ -265,7 +244,7 @@ def compose_goodput(overrides: Sequence[str] = ()) -> GoodputConfig:
     try:
         cfg = OmegaConf.to_object(node)
     except OmegaConfBaseException as err:
-        raise _override_error(err) from None
+        raise tool_override_error(err, "rayhybrid.goodput") from None
     assert isinstance(cfg, GoodputConfig)
     check(cfg)
     return cfg

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rayhybrid.config.compose import _unfreeze, conf_dir, missing_settings
+from rayhybrid.config.compose import _unfreeze, compose_tool, missing_settings, tool_override_error
 from rayhybrid.errors import ConfigError
 
 CONFIG_NAME = "prepare"
@@ -126,31 +126,10 @@ def normalize(overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def _override_error(err: Exception) -> ConfigError:
-    """Hydra's error for a bad override as one line naming the setting."""
-    cause: BaseException | None = err
-    while cause is not None:
-        if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
-            first = str(cause).splitlines()[0].strip()
-            return ConfigError(str(cause.full_key), f"{first}; python -m rayhybrid.prepare --help lists the settings")
-        cause = cause.__cause__ or cause.__context__
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return ConfigError("overrides", " ".join(lines[:2]) or type(err).__name__)
-
-
 def compose_node(overrides: Sequence[str] = ()) -> DictConfig:
     """`conf/prepare.yaml` with the command line's overrides, not yet checked."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-
     register_prepare_schema()
-    normalized = normalize(overrides)
-    try:
-        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-            return hydra_compose(CONFIG_NAME, overrides=normalized)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise _override_error(err) from None
+    return compose_tool(CONFIG_NAME, "rayhybrid.prepare", normalize(overrides))
 
 
 def check(cfg: PrepareConfig) -> None:
@@ -178,7 +157,7 @@ def compose_prepare(overrides: Sequence[str] = ()) -> PrepareConfig:
     try:
         cfg = OmegaConf.to_object(node)
     except OmegaConfBaseException as err:
-        raise _override_error(err) from None
+        raise tool_override_error(err, "rayhybrid.prepare") from None
     assert isinstance(cfg, PrepareConfig)
     check(cfg)
     return cfg
