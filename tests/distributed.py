@@ -64,7 +64,20 @@ def _child(fn, rank: int, world: int, port: int, args: tuple, out) -> None:
 
 
 def run_ranks(fn, world: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> list:
-    """`[fn(rank, *args) for rank in range(world)]`, each rank in its own process."""
+    """`[fn(rank, *args) for rank in range(world)]`, each rank in its own process. A world
+    whose free port was taken by another process before rank 0's store bound it (EADDRINUSE,
+    seen twice in a full run beside other Ray jobs) starts again on another port: nothing of
+    `fn` ran yet."""
+    for attempt in range(3):
+        try:
+            return _run_ranks(fn, world, *args, timeout=timeout)
+        except RankError as err:
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_ranks(fn, world: int, *args, timeout: float) -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
