@@ -206,6 +206,9 @@ def fake_run(root: Path, restarts=RESTARTS) -> Path:
     ckpt.mkdir(parents=True)
     run.mkdir()
     files = {".metadata": 1_000_000, **{f"__{r}_0.distcp": 875_000 for r in range(8)}}
+    for name, size in files.items():  # the files the marker lists, at their sizes (sparse)
+        with open(ckpt / name, "wb") as f:
+            f.truncate(size)
     (ckpt / "meta.json").write_text(json.dumps({"step": 20, "files": files}))
     topo = {"dp": 2, "pp": 2, "tp": 2}
     records = [{"step": s, "loss": 1.0, "step_time_s": 0.5 + 0.1 * (s % 3), **topo} for s in range(1, 31)]

@@ -17,7 +17,7 @@ the simulated job:
     step_s    = step_time_s                              same work per replica (assumed)
 
 The checkpoint's bytes are the sizes in the newest committed checkpoint's meta.json ("files"),
-found from the run's checkpoint records (local paths) or summary.json's checkpoint_dir;
+found by rayhybrid's own `checkpoints.latest` (any store) under summary.json's checkpoint_dir;
 `costs.checkpoint_gb` is the simulated model's, else the run's. Without a readable meta.json,
 restore and save are not scaled. Costs given on the command line are kept as given.
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 
 from rayhybrid.config.goodput import GoodputConfig
 from rayhybrid.errors import ConfigError
+from rayhybrid.storage import checkpoints as checkpoint_store
 
 FIX = "give the directory of a rayhybrid run with at least one restart (its metrics.jsonl has restart records)"
 MEASURED = ("detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")
@@ -59,22 +60,20 @@ def median(records: list[dict], key: str) -> float:
 
 
 def committed_meta(run_dir: Path, checkpoints: list[dict]) -> tuple[str, dict] | None:
-    """The newest committed checkpoint's (path, meta.json) that can be read here, or None."""
-    candidates = [r["path"] for r in sorted(checkpoints, key=lambda r: r.get("step", 0), reverse=True) if r.get("path")]
+    """The newest committed, complete checkpoint's (path, meta.json) of the run, or None: found
+    by rayhybrid's own `checkpoints.latest` under summary.json's checkpoint_dir (else the
+    directory of the newest checkpoint record's path), on any store the run used."""
     try:
         root = json.loads((run_dir / "summary.json").read_text()).get("checkpoint_dir") or ""
     except (OSError, ValueError):
         root = ""
-    if root and Path(root).is_dir():
-        candidates += [str(p) for p in sorted(Path(root).glob("step_*"), reverse=True)]
-    for path in candidates:
-        try:
-            meta = json.loads((Path(path) / "meta.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(meta.get("files"), dict) and meta["files"]:
-            return path, meta
-    return None
+    paths = [r["path"] for r in sorted(checkpoints, key=lambda r: r.get("step", 0)) if r.get("path")]
+    root = root or (paths[-1].rstrip("/").rsplit("/", 1)[0] if paths else "")
+    try:
+        found = checkpoint_store.latest(root) if root else None
+    except (OSError, ValueError):  # a store this machine cannot reach: restore and save unscaled
+        return None
+    return (found.path, found.meta) if found is not None else None
 
 
 def apply_run(cfg: GoodputConfig, given: set[str]) -> tuple[GoodputConfig, dict]:
