@@ -275,3 +275,10 @@ def test_a_bad_from_run_is_one_line_and_exit_code_2(case, tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error: from_run:" in err and "restart records" in err
+
+
+@pytest.mark.parametrize("key", ["output_dir", "from_run"])
+@pytest.mark.parametrize("path", ["/data/runs/run[1]", "/data/it's here", "/data/a,b {c}"])
+def test_paths_reach_their_setting_as_typed(key, path):
+    """Paths are quoted for Hydra's grammar as prepare's are (brackets, commas, braces, quotes)."""
+    assert getattr(compose_goodput([f"{key}={path}"]), key) == path

@@ -245,3 +245,15 @@ def compose_tool(config_name: str, command: str, overrides: list[str]) -> DictCo
             return hydra_compose(config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
         raise tool_override_error(err, command) from None
+
+
+def quote_value(value: str) -> str:
+    """A path or URL quoted for Hydra's override grammar, so that globs ([0-9], {a,b}) and other
+    characters it reserves reach the setting as typed; a value already quoted is kept."""
+    if value[:1] in ("'", '"'):
+        return value
+    if "'" not in value and not value.endswith("\\"):
+        return f"'{value}'"
+    if '"' not in value and not value.endswith("\\"):
+        return f'"{value}"'
+    return value

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rayhybrid.config.compose import _unfreeze, compose_tool, tool_override_error
+from rayhybrid.config.compose import _unfreeze, compose_tool, quote_value, tool_override_error
 from rayhybrid.errors import ConfigError
 
 CONFIG_NAME = "goodput"
@@ -169,7 +169,7 @@ def register_goodput_schema() -> None:
 
 def normalize(overrides: Sequence[str]) -> list[str]:
     """Check that every override is `key=value` of a known setting and that `failures=` names
-    a preset; quote output_dir for Hydra's grammar."""
+    a preset; quote the paths for Hydra's grammar."""
     out = []
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -181,8 +181,8 @@ def normalize(overrides: Sequence[str]) -> list[str]:
             )
         if key == "failures" and value not in PRESETS:
             raise ConfigError("failures", f"{value!r} is not a preset; choose one of {', '.join(PRESETS)}")
-        if key == "output_dir" and value[:1] not in ("'", '"') and "'" not in value:
-            item = f"output_dir='{value}'"
+        if key in ("output_dir", "from_run"):  # paths: as typed (quoted for Hydra's grammar)
+            item = f"{key}={quote_value(value)}"
         out.append(item)
     return out
 

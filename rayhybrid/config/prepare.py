@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rayhybrid.config.compose import _unfreeze, compose_tool, missing_settings, tool_override_error
+from rayhybrid.config.compose import _unfreeze, compose_tool, missing_settings, quote_value, tool_override_error
 from rayhybrid.errors import ConfigError
 
 CONFIG_NAME = "prepare"
@@ -93,16 +93,6 @@ def register_prepare_schema() -> None:
     ConfigStore.instance().store(name="prepare_schema", node=node)
 
 
-def _quote(value: str) -> str:
-    if value[:1] in ("'", '"'):
-        return value
-    if "'" not in value and not value.endswith("\\"):
-        return f"'{value}'"
-    if '"' not in value and not value.endswith("\\"):
-        return f'"{value}"'
-    return value
-
-
 def normalize(overrides: Sequence[str]) -> list[str]:
     """Check that every override is `key=value` of a known setting; quote paths; merge
     `storage_options={...}` and `storage_options.K=V` with `++` (its keys are free-form)."""
@@ -121,7 +111,7 @@ def normalize(overrides: Sequence[str]) -> list[str]:
         if top == "storage_options":
             item = f"++{bare}={value}"
         elif bare in STRING_VALUES:
-            item = f"{bare}={_quote(value)}"
+            item = f"{bare}={quote_value(value)}"
         out.append(item)
     return out
 
