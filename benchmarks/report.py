@@ -282,7 +282,7 @@ def _checkpoints(r: dict) -> str:
         f"larger ({setup}; a save at the last step too), each run into a local directory and into S3, with "
         "`checkpoint.async_save` true and false. S3 is moto's server on 127.0.0.1, in the benchmark's own "
         "process: it runs on the same 2 cores as training, which a real S3 would not. *Blocked*: training "
-        "stopped per save, as the rank measures it (async: staging a CPU copy, plus waiting for the previous "
+        "stopped per save, as the rank measures it (async: the ranks' exchange of DCP's plans and a CPU copy of the state, plus waiting for the previous "
         "upload if it was still running; sync: the whole save). *Upload*: from staged to committed (sync: the "
         "write). *Driver pause*: the extra wall time the driver saw between the step before a save and the "
         "step after. *Uploading*: the steps from the one after a save to the one whose record the commit "
