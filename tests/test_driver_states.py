@@ -11,8 +11,10 @@ import types
 import pytest
 
 from rayhybrid.cluster.drain import Drained
+from rayhybrid.config.topology import Topology
 from rayhybrid.driver.checkpoints import CheckpointLedger
 from rayhybrid.driver.controller import Controller
+from rayhybrid.driver.healing import Healing
 from rayhybrid.driver.policies import Failure
 from rayhybrid.driver.records import Interruption
 from rayhybrid.driver.runlog import RunLog
@@ -36,6 +38,27 @@ class FakeGroup:
         self.world = world
         self.env: dict = {}
         self.start_timeout_s = 1.0
+        self.layout = types.SimpleNamespace(topology=Topology(dp, 1, world // dp))
+        self.kept: list[dict | None] = [None] * world  # what each rank kept across a failure
+
+    @property
+    def workers(self) -> list:
+        """Fake actors: `held` and `heal` answer from `kept` (cluster/heal.py calls them)."""
+
+        def worker(rank):
+            def heal(src, receivers):
+                self.calls.append(("heal", rank, src, receivers))
+                return {"step": 0, "bytes": 100 * len(receivers), "s": 0.01}
+
+            return types.SimpleNamespace(
+                held=types.SimpleNamespace(remote=lambda: self.kept[rank]),
+                heal=types.SimpleNamespace(remote=heal),
+            )
+
+        return [worker(rank) for rank in range(self.world)]
+
+    def _get(self, refs, timeout_s=None, what="call"):
+        return list(refs)
 
     def train(self, steps, timeout_s=None, inject=None):
         self.calls.append(("train", inject))
@@ -108,6 +131,7 @@ def controller(tmp_path, *overrides: str) -> Controller:
     ctrl.log = RunLog(cfg)
     ctrl.ledger = CheckpointLedger(cfg, Store.open(str(tmp_path / "checkpoints")), ctrl.log)
     ctrl.drains = NoDrains()
+    ctrl.healing = Healing(cfg, ctrl.log)
     return ctrl
 
 
@@ -175,6 +199,74 @@ def test_recovery_replaces_the_dead_ranks_and_restores_the_latest_checkpoint(tmp
         str(tmp_path / "checkpoints" / "step_00000004"),
     ) in group.calls
     assert [e["event"] for e in events(tmp_path)] == ["resume"]
+    assert (state.pending.healed, state.pending.steps_redone) == ("checkpoint", 0)
+
+
+def recovering_dp2_tp2(tmp_path, kept: list, step: int = 6) -> tuple[Controller, FakeGroup, Training]:
+    """dp2_tp2 at step `step`, rank 3 lost, a checkpoint of step 4; each rank kept `kept`."""
+    ctrl = controller(tmp_path, "+topology=dp2_tp2")
+    group = FakeGroup(dp=2, world=4)
+    group.drained = Drained(frozenset({3}), frozenset({1}), frozenset())
+    group.kept = kept
+    store = ctrl.ledger.store
+    path = checkpoints.begin(store, 4)
+    store.write_bytes(f"{path}/.metadata", b"dcp")
+    checkpoints.commit(store, path, {"step": 4, "consumed_samples": 32, "topology": {"dp": 2, "pp": 1, "tp": 2}})
+    run = RunState(group=group, slots=(0, 1), step=step, first_restore=0, committed=4, uploading=True)
+    intr = Interruption("restart", "rank 3: boom", step + 1, 2)
+    return ctrl, group, ctrl.on_recovering(Recovering(run, WorkerError(3, "x"), intr, False))
+
+
+def test_recovery_heals_from_the_peer_with_the_same_shard_and_redoes_no_step(tmp_path):
+    """Rank 3 (dp 1, tp 1) lost its state; rank 1 (dp 0, tp 1) holds the same shard: it sends,
+    every other rank keeps its own; nothing is loaded and the run goes on at step 6."""
+    kept = {"step": 6, "bytes": 100, "metrics": None}
+    _, group, state = recovering_dp2_tp2(tmp_path, [kept, kept, kept, None])
+    assert isinstance(state, Training) and state.run.step == 6 and not state.run.uploading
+    heals = sorted(c for c in group.calls if c[0] == "heal")
+    assert heals == [("heal", 0, None, []), ("heal", 1, None, [3]), ("heal", 2, None, []), ("heal", 3, 1, [])]
+    assert not [c for c in group.calls if c[0] == "load"]
+    intr = state.pending
+    assert (intr.healed, intr.steps_redone, intr.resume_step, intr.bytes_sent) == ("peer", 0, 6, 100)
+    assert [e["event"] for e in events(tmp_path)] == ["heal"]
+
+
+def test_a_step_only_some_survivors_took_is_healed_forward_and_recorded(tmp_path):
+    """Ranks 0 and 1 passed step 7's commit vote and stepped before rank 3 died; rank 2 did
+    not. The run heals to step 7 (rank 2 from rank 0, rank 3 from rank 1) and records step 7,
+    whose results the driver never had."""
+    record = {"step": 7, "loss": 0.5, "lr": 1e-3, "grad_norm": 0.1, "step_time_s": 0.1, "tokens_per_s": 1.0}
+    record |= {"consumed_samples": 56, "samples": [[48, 4], [52, 4]], "checkpoints": []}
+    ahead = {"step": 7, "bytes": 100, "metrics": record}
+    ctrl, group, state = recovering_dp2_tp2(
+        tmp_path, [ahead, dict(ahead), {"step": 6, "bytes": 100, "metrics": None}, None]
+    )
+    assert state.run.step == 7
+    receivers = {c[1]: c[2] for c in group.calls if c[0] == "heal" and c[2] is not None}
+    assert receivers == {2: 0, 3: 1}
+    assert [m["step"] for m in ctrl.log.history] == [7]
+    assert state.pending.steps_redone == 0
+
+
+@pytest.mark.parametrize(
+    ("kept", "why"),
+    [
+        ([{"step": 6}, {"step": 6}, {"step": 6}, None], "heal off"),
+        ([{"step": 6}, None, {"step": 6}, None], "both copies of shard tp1 lost"),
+        ([None, None, None, None], "nothing kept"),
+    ],
+)
+def test_recovery_falls_back_to_the_checkpoint_without_a_live_copy(tmp_path, kept, why):
+    if why == "heal off":
+        ctrl = controller(tmp_path, "fault.heal=false")
+        assert ctrl.healing.policy.choose({(0, 0): [6, None]}) is None
+        return
+    kept = [k and {**k, "bytes": 1, "metrics": None} for k in kept]
+    ctrl, group, state = recovering_dp2_tp2(tmp_path, kept)
+    assert not [c for c in group.calls if c[0] == "heal"]
+    assert ("load", str(tmp_path / "checkpoints" / "step_00000004")) in group.calls
+    assert state.run.step == 4
+    assert (state.pending.healed, state.pending.steps_redone) == ("checkpoint", 2)
 
 
 def test_recovery_gives_up_on_a_failure_that_repeats(tmp_path):

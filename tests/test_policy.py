@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayhybrid.driver.policies import Failure, FailurePolicy, ScalingPolicy
+from rayhybrid.driver.policies import Failure, FailurePolicy, HealPolicy, ScalingPolicy
 
 NODE_LOST = "rank 3: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"
 NO_GROUP = "rank 1: ValueError: Could not resolve the process group registered under the name 11"
@@ -247,3 +247,24 @@ def test_a_rank_failure_keeps_its_time_across_processes():
 
     copy = pickle.loads(pickle.dumps(RankFailed(OUT_OF_MEMORY, 1795510000.5)))
     assert (str(copy), copy.at) == (OUT_OF_MEMORY, 1795510000.5)
+
+
+def test_heal_goes_forward_to_the_newest_step_every_shard_still_has():
+    heal = HealPolicy(enabled=True)
+    # Shard a: replica 1 lost it; shard b: replica 0 stepped past the vote, replica 1 did not.
+    plan = heal.choose({"a": [7, None, 7], "b": [7, 6, None]})
+    assert plan.step == 7 and plan.sources == {"a": {1: 0}, "b": {1: 0, 2: 0}}
+    # Receivers are spread over the replicas that hold the step.
+    assert heal.choose({"a": [5, 5, None, None]}).sources == {"a": {2: 0, 3: 1}}
+    # Every copy in place (a replica dropped whole, an elastic shrink): nothing to send.
+    assert heal.choose({"a": [5, 5], "b": [5, 5]}).sources == {}
+
+
+def test_heal_falls_back_to_the_checkpoint_when_a_shard_has_no_copy_or_heal_is_off():
+    heal = HealPolicy(enabled=True)
+    assert heal.choose({"a": [7, None], "b": [None, None]}) is None  # both copies of b lost
+    assert heal.choose({"a": [7, None], "b": [6, None]}) is None  # b has no copy of step 7
+    assert heal.choose({"a": [None, None]}) is None  # nothing kept (dp=1, dp_shard, a new group)
+    assert heal.choose({"a": [3, 3]}, checkpoint_step=5) is None  # a newer checkpoint wins
+    assert heal.choose({"a": [5, None]}, checkpoint_step=5).step == 5
+    assert HealPolicy(enabled=False).choose({"a": [7, None]}) is None

@@ -61,13 +61,16 @@ TIMED = {
 def test_restart_record():
     intr = Interruption(
         "restart", "rank 1: boom", 9, 3, restart=2, dp_after=2, resume_step=5, replaced_ranks=[1], **TIMED
-    )
+    ).but(healed="checkpoint", steps_redone=3)
     assert intr.restart_record() == {
         "event": "restart",
         "restart": 2,
         "failed_step": 9,
         "cause": "rank 1: boom",
         "resume_step": 5,
+        "healed": "checkpoint",
+        "steps_redone": 3,
+        "bytes_sent": 0,
         "replaced_ranks": [1],
         "dp_before": 3,
         "dp_after": 2,

@@ -53,6 +53,7 @@ class TrainWorker:
         self.rank = rank
         self.world_size = world_size
         self.trainer = None
+        self.kept = None  # fault.heal: the state kept across a failure (rayhybrid/trainer/heal.py)
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
         # DTensor warns on every step that a 2-D norm reduction takes two all-reduces, and
         # FSDP2/replicate that a stage's output is a view (nothing here modifies it in place).
@@ -90,7 +91,7 @@ class TrainWorker:
         `visible_gpus`: every GPU the ranks on this node hold; each worker sees all of them
         (so NCCL can use peer-to-peer links) and picks its own by position.
         """
-        self.reset()
+        self.reset(keep=False)  # what a failure kept stays kept until the driver says what to do
         if cfg is not None:
             self.cfg, self.world_size = cfg, Layout.of(cfg).world_size
         if rank is not None:
@@ -137,8 +138,36 @@ class TrainWorker:
         return self._guarded(self.trainer.finished_checkpoints, wait)
 
     def load(self, path: str, meta: dict) -> int:
+        self.kept = None  # the run goes back to the checkpoint
         self._guarded(self.trainer.load_checkpoint, path, meta)
         return self.trainer.step
+
+    def held(self) -> dict | None:
+        """fault.heal: the step this worker kept across the failure, if its shards are the ones
+        its new trainer holds, with that step's metrics; None when it kept nothing usable."""
+        from rayhybrid.trainer.heal import shape_of
+
+        kept = self.kept
+        if kept is None or self.trainer is None or kept.shape != shape_of(self.trainer):
+            return None
+        return {"step": kept.step, "bytes": kept.nbytes, "metrics": kept.metrics}
+
+    def heal(self, src: int | None, receivers: list[int]) -> dict:
+        """Take the state the run heals to: the kept one (`src` None), sent on to `receivers`,
+        or rank `src`'s over the network. Returns the bytes moved and the seconds taken."""
+        return self._guarded(self._heal, src, receivers)
+
+    def _heal(self, src: int | None, receivers: list[int]) -> dict:
+        from rayhybrid.trainer import heal
+
+        start = time.perf_counter()
+        if src is None:
+            heal.restore(self.trainer, self.kept)
+            moved = heal.send(self.trainer, receivers) if receivers else 0
+        else:
+            moved = heal.receive(self.trainer, src)
+        self.kept = None
+        return {"step": self.trainer.step, "bytes": moved, "s": time.perf_counter() - start}
 
     def train(self, steps: int = 1, inject: str | None = None) -> list[dict]:
         """Train `steps` steps, each followed by the held-out loss when eval.every says so;
@@ -147,6 +176,7 @@ class TrainWorker:
 
     def _step(self) -> dict:
         metrics = self.trainer.train_step()
+        self.trainer.last_metrics = metrics
         if self.cfg.eval.due(metrics["step"], self.cfg.train.steps):
             start = time.perf_counter()
             metrics["val_loss"] = self.trainer.evaluate()
@@ -185,13 +215,16 @@ class TrainWorker:
             raise config_error
         raise RankFailed(message, at)
 
-    def reset(self) -> None:
+    def reset(self, keep: bool = True) -> None:
         """Drop the trainer and the process groups; idempotent. A group's connections close
         only when nothing refers to it any more: the trainer holds cycles (hence the
-        collection) and device meshes keep their groups in registries (`forget_meshes`)."""
+        collection) and device meshes keep their groups in registries (`forget_meshes`).
+        `keep`: with fault.heal, keep the trainer's state first when it is a whole step's."""
         import torch
         import torch.distributed as dist
 
+        if self.trainer is not None and keep and self.trainer.heal and self.trainer.settled:
+            self._keep()
         if self.trainer is not None:
             self.trainer.close_checkpoints()
             self.trainer.stream.close()  # its read-ahead thread
@@ -206,8 +239,18 @@ class TrainWorker:
         if torch.cuda.is_initialized():  # after an out-of-memory error: hand the cached memory back
             torch.cuda.empty_cache()
 
+    def _keep(self) -> None:
+        from rayhybrid.trainer.heal import keep
+
+        try:
+            self.kept = keep(self.trainer)
+        except Exception as err:  # noqa: BLE001 - nothing kept: the run restores a checkpoint
+            logging.getLogger("rayhybrid").warning("rank %d kept no state for healing: %s", self.rank, err)
+            self.kept = None
+
     def close(self) -> None:
-        self.reset()
+        self.kept = None
+        self.reset(keep=False)
 
 
 def _out_of_memory(err: BaseException) -> BaseException | None:

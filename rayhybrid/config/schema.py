@@ -237,6 +237,12 @@ class FaultConfig:
     """Kinds a random fault is drawn from (kill, hang, raise, kill_save)."""
     inject_seed: int = 0
     """Seeds the random faults and the ranks drawn for fault.inject entries without a RANK."""
+    heal: bool = True
+    """Peer healing: after a failure, when every shard of the lost ranks still has a live copy
+    on another data-parallel replica, the survivors keep their state in memory and the new
+    ranks receive theirs from those copies: no completed step is trained again. Otherwise (dp=1,
+    topology.dp_shard, both copies lost) the run restores the latest checkpoint. With dp >= 2
+    each step ends with a one-value all-reduce of every rank (the commit vote)."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config, with_dp
 from rayhybrid.config.topology import Layout
 from rayhybrid.driver.checkpoints import CheckpointLedger, check_same_model, open_store
+from rayhybrid.driver.healing import Healing
 from rayhybrid.driver.observe import Observer
 from rayhybrid.driver.policies import Failure, FailurePolicy, ScalingPolicy
 from rayhybrid.driver.preemption import DrainWatch, slots_on, why_not_placed
@@ -51,6 +52,7 @@ class Controller:
         self.drains: DrainWatch | None = None
         self.log: RunLog | None = None
         self.ledger: CheckpointLedger | None = None
+        self.healing: Healing | None = None
         self.shape = None
         self.found = None  # the latest checkpoint when the run opened: what its first start restores
         self.stop_requested: str | None = None  # set by the SIGTERM handler
@@ -96,6 +98,7 @@ class Controller:
         self.log.summary.checkpoint_dir = store.display
         self.ledger = CheckpointLedger(cfg, store, self.log)
         self.drains = DrainWatch(cfg, self.scaling, self.ledger)
+        self.healing = Healing(cfg, self.log)
         self.found = self.ledger.latest()  # listed once: the trackers, the model check and the first start use it
         self.log.trackers = Trackers.open(cfg, self.log.dir, store, checkpoint_found=self.found is not None)
         return connect(cfg)
@@ -194,12 +197,7 @@ class Controller:
             return Failed(run, RunFailed(f"{decision.reason}; {self.ledger.last_good()}"))
         run = run.but(restarts=run.restarts + 1)
         intr = intr.but(restart=run.restarts)
-        log.warning(
-            "restart %d/%d: replacing the failed workers and restarting from %s",
-            intr.restart,
-            self.cfg.fault.max_restarts,
-            self.ledger.last_good(short=True),
-        )
+        log.warning("restart %d/%d: replacing the failed workers", intr.restart, self.cfg.fault.max_restarts)
         if run.group is None:  # the start failed: start again
             return Starting(run, intr)
         return self._replace(run, intr.but(teardown_s=time.perf_counter() - mark), drained)
@@ -269,7 +267,7 @@ class Controller:
         except WorkerError as err:
             return self._failed(run, err, intr.step, None)
         intr = intr.but(init_s=time.perf_counter() - mark, dp_after=run.dp, replaced_ranks=sorted(drained.dead))
-        return Training(*self._restore(run, intr))
+        return Training(*self._restore(run, intr, heal=True))
 
     def _request_stop(self, signum, frame) -> None:
         """The SIGTERM handler: stop at the next step boundary (a handler must not interrupt a
@@ -314,10 +312,16 @@ class Controller:
         intr = Interruption("restart", str(err), step, run.dp, resume_step=good.step if good else 0, detect_s=detect)
         return Recovering(run, err, intr, injected=inject is not None)
 
-    def _restore(self, run: RunState, intr: Interruption | None) -> tuple[RunState, Interruption | None]:
-        """Load the latest checkpoint into the group (if any) and describe the workers."""
-        first = run.first_restore is None
-        run, intr = self.ledger.restore(run, intr, self.found if first else self.ledger.latest())
+    def _restore(self, run: RunState, intr, heal: bool = False) -> tuple[RunState, Interruption | None]:
+        """After a failure (`heal`), heal from the survivors' state when the heal policy says
+        so, else load the latest checkpoint into the group (if any); describe the workers."""
+        latest = self.found if run.first_restore is None else self.ledger.latest()
+        healed = self.healing.heal(run, intr, latest) if heal else None
+        if healed is not None:
+            run, intr, finished = healed
+            run = self.ledger.saved(run, finished)
+        else:
+            run, intr = self.ledger.restore(run, intr, latest)
         group = run.group
         self.log.workers(
             with_dp(self.cfg, run.dp), group.placement(), [i.pid for i in group.infos], group.descriptions[0]

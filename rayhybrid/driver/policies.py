@@ -8,12 +8,16 @@ nothing, so each rule is unit-tested in milliseconds without Ray (tests/test_pol
     slots = scaling.on_start(placed=[0, 1])               # the replica slots to start on
     slots = scaling.on_loss(active=[0, 1, 2], lost={1})    # [0, 2]: shrink to what is left
     slots = scaling.on_checkpoint(active=[0, 2], placed=[0, 1, 2])   # [0, 2, 1]: grow
+
+    healing = HealPolicy(enabled=True)
+    plan = healing.choose({(0, 0): [7, None], (0, 1): [7, 7]}, checkpoint_step=5)
+    # HealPlan(step=7, sources={(0, 0): {1: 0}}): replica 1 of shard (0, 0) from replica 0
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rayhybrid.config.validate import usable_dps
@@ -129,3 +133,51 @@ class ScalingPolicy:
         if grown <= len(active):
             return None
         return [*active, *spare[: grown - len(active)]]
+
+
+@dataclass(frozen=True)
+class HealPlan:
+    """How the run heals to `step`: every rank that holds that step keeps it; each receiver of
+    `sources[shard]` gets it from the data-parallel replica named there."""
+
+    step: int
+    sources: Mapping[Hashable, Mapping[int, int]]
+    """shard -> {receiving replica: sending replica}; shards whose copies all hold `step` have none."""
+
+    @property
+    def transfers(self) -> int:
+        return sum(len(s) for s in self.sources.values())
+
+
+@dataclass(frozen=True)
+class HealPolicy:
+    """Peer healing or the checkpoint (`fault.heal`): heal when every shard of the model (a
+    (pp, tp) coordinate) still has a copy of the newest step any rank holds. The survivors of
+    a failure may hold two steps (those that passed the last commit vote stepped, the others
+    did not); healing goes forward to the newer, never back. A checkpoint newer than every copy,
+    or a shard with no copy of that step, means the checkpoint (None)."""
+
+    enabled: bool = True
+
+    def choose(
+        self, copies: Mapping[Hashable, Sequence[int | None]], checkpoint_step: int | None = None
+    ) -> HealPlan | None:
+        """`copies[shard][d]`: the step replica d's rank of that shard holds (None: nothing, a
+        replacement). Receivers are spread over the replicas that hold the step."""
+        if not self.enabled:
+            return None
+        held = [s for steps in copies.values() for s in steps if s is not None]
+        if not held:
+            return None
+        step = max(held)
+        if checkpoint_step is not None and checkpoint_step > step:
+            return None
+        sources = {}
+        for shard, steps in copies.items():
+            have = [d for d, s in enumerate(steps) if s == step]
+            if not have:
+                return None
+            need = [d for d, s in enumerate(steps) if s != step]
+            if need:
+                sources[shard] = {d: have[i % len(have)] for i, d in enumerate(need)}
+        return HealPlan(step, sources)

@@ -3,7 +3,8 @@ step before it to the first step after) and the run's summary (summary.json), wh
 from the records the run log writes (`RunSummary.record`), never set by the driver's states.
 
 `metrics.jsonl` holds one JSON object per line: a step record (has "loss"), or an event (has
-"event": resume, checkpoint, checkpoint_failed, restart, resize, preemption, fault_injected).
+"event": resume, heal, checkpoint, checkpoint_failed, restart, resize, preemption,
+fault_injected).
 The writer is `rayhybrid.driver.runlog.RunLog`.
 """
 
@@ -37,6 +38,12 @@ class Interruption:
     dp_after: int = 0
     resume_step: int = 0
     replaced_ranks: list[int] = field(default_factory=list)
+    healed: str = ""
+    """restart: where the state came from, "peer" (fault.heal) or "checkpoint"."""
+    steps_redone: int = 0
+    """restart: completed steps trained again (those since the checkpoint restored; 0 healed)."""
+    bytes_sent: int = 0
+    """restart, healed: the state sent from live replicas to the ranks that lost theirs."""
     detect_s: float = 0.0
     save_s: float = 0.0
     teardown_s: float = 0.0
@@ -63,6 +70,9 @@ class Interruption:
             "cause": self.cause,
             "resume_step": self.resume_step,
             "replaced_ranks": self.replaced_ranks,
+            "healed": self.healed,
+            "steps_redone": self.steps_redone,
+            "bytes_sent": self.bytes_sent,
             "dp_before": self.dp_before,
             "dp_after": self.dp_after,
             **{key: round(getattr(self, key), 3) for key in (*TIMINGS, "total_s")},

@@ -135,14 +135,16 @@ class RunLog:
             self.event(intr.restart_record())
             log.warning(
                 "recovered from the failure at step %d in %.1fs (teardown %.1fs, place %.1fs, init %.1fs, "
-                "restore %.1fs, first step %.1fs)",
+                "%s %.1fs, first step %.1fs; %d step(s) redone)",
                 intr.step,
                 intr.total_s,
                 intr.teardown_s,
                 intr.place_s,
                 intr.init_s,
+                "healed from peers" if intr.healed == "peer" else "restore",
                 intr.restore_s,
                 intr.first_step_s,
+                intr.steps_redone,
             )
         if intr.dp_after != intr.dp_before:
             record = intr.resize_record()

@@ -272,6 +272,11 @@ def load(trainer, path: str | Path, options: dict | None = None) -> None:
     state, keys = state_dict(trainer)
     with _as_exception():
         dcp.load(state, storage_reader=reader(store, store.root), process_group=trainer.world_group)
+    apply(trainer, state, keys)
+
+
+def apply(trainer, state: dict, keys: list[tuple[set, set]]) -> None:
+    """Set the stages, optimizers and RNG from `state` (as `state_dict` made it, filled in)."""
     for (module, opt), (model_keys, optim_keys) in zip(_parts(trainer), keys):
         set_model_state_dict(module, {k: state["model"][k] for k in model_keys}, options=OPTIONS)
         set_optimizer_state_dict(module, opt, {k: state["optim"][k] for k in optim_keys}, options=OPTIONS)

@@ -27,6 +27,7 @@ from rayhybrid.parallel.mesh import build_mesh
 from rayhybrid.parallel.pipeline import forward_only as pipeline_forward_only
 from rayhybrid.trainer.build import build_memory_meter, build_optimizers, build_pipeline, build_stages
 from rayhybrid.trainer.evaluation import Evaluation
+from rayhybrid.trainer.heal import heal_enabled
 from rayhybrid.trainer.instrument import instrument_stage, timed_schedule
 from rayhybrid.trainer.optim import lr_at, set_lr
 from rayhybrid.trainer.timeline import Timeline
@@ -81,6 +82,11 @@ class Trainer:
         self.memory = build_memory_meter(cfg, device, self.stages, self.optimizers)
         self.step = 0
         self.consumed_samples = 0
+        # fault.heal: ranks vote before stepping, and keep their state across a failure when
+        # another replica holds the same shards (trainer/heal.py).
+        self.heal = heal_enabled(cfg)
+        self.settled = False  # whether the state is the run's (trained, restored or healed)
+        self.last_metrics: dict | None = None  # the last step's, for a step the driver missed
         self.stage_layers = {i: list(self.layout.stage_layers[i]) for i, _ in self.stages}
 
     def checkpoint_meta(self) -> dict:
@@ -117,9 +123,11 @@ class Trainer:
         """Restore a checkpoint written under any topology; the LR schedule follows `step`."""
         from rayhybrid.trainer.checkpoint import restore
 
+        self.settled = False
         restore(self, path, meta)
         self.step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
+        self.settled = True
 
     def describe(self) -> dict:
         """What this rank holds, for the driver's start-up table and summary."""
@@ -162,19 +170,24 @@ class Trainer:
         for opt in self.optimizers:
             set_lr(opt, lr)
 
+        self.settled = True  # the state is the run's at step `self.step` (docs/recovery-and-elasticity.md)
         self.timeline.begin_step(record=self.step + 1 in self.trace_steps)
         with self.memory.step() if self.memory is not None else contextlib.nullcontext():
             loss = self.forward_backward()
             self._phase(self.stages[0][0], "optimizer")
             with self.timeline.span("optimizer", "optimizer", stage=self.stages[0][0]):
                 grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
+            # Every collective of the step comes before the optimizer step, which is local.
+            with self.timeline.span("all_reduce loss", "comm"):
+                loss = self.global_loss(loss)
+            vote_s = self.commit_vote()
+            with self.timeline.span("optimizer", "optimizer", stage=self.stages[0][0]):
+                self.settled = False  # between the first optimizer's step and the step count
                 for opt in self.optimizers:
                     opt.step()
-
-        with self.timeline.span("all_reduce loss", "comm"):
-            loss = self.global_loss(loss)
-        self.step += 1
-        self.consumed_samples += cfg.train.global_batch_size
+                self.step += 1
+                self.consumed_samples += cfg.train.global_batch_size
+                self.settled = True
         elapsed = time.perf_counter() - start
         finished = self.finished_checkpoints()
         return {
@@ -184,6 +197,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": float(grad_norm),
             "step_time_s": elapsed,
+            **({"vote_s": vote_s} if vote_s is not None else {}),  # fault.heal's commit vote, in step_time_s
             "cpu_s": time.process_time() - cpu_start,  # this rank's process CPU time (all threads)
             "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / elapsed,
             "consumed_samples": self.consumed_samples,
@@ -297,6 +311,19 @@ class Trainer:
 
     def _group(self, dim: str) -> dist.ProcessGroup | None:
         return self.mesh[dim].get_group() if self.mesh[dim].size() > 1 else None
+
+    def commit_vote(self) -> float | None:
+        """fault.heal: one all-reduce of every rank, after the step's last collective and before
+        any optimizer step. A rank that passes it knows that every rank has its gradients, so a
+        rank that steps never holds a step that a live peer could not have taken; when a rank
+        dies after voting, the ranks that passed hold the next step and heal the others
+        (rayhybrid/trainer/heal.py). Returns its seconds (None: no vote)."""
+        if not self.heal:
+            return None
+        start = time.perf_counter()
+        with self.timeline.span("commit vote", "comm"):
+            dist.all_reduce(torch.ones(1, device=self.device), group=self.world_group)
+        return time.perf_counter() - start
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The replica's loss lives on its last stage: sum over pp, average over dp."""

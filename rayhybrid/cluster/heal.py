@@ -1,0 +1,24 @@
+"""Peer healing on the worker group: what each worker kept across a failure, and the transfer
+that gives the new ranks their state (rayhybrid/trainer/heal.py does the sending).
+`held(group)` and `heal(group, sources)` are the group's, kept here beside `drain`'s.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def held(group) -> list[dict | None]:
+    """Each rank's kept state, in rank order: {"step", "bytes", "metrics"}, or None."""
+    return group._get([w.held.remote() for w in group.workers], group.start_timeout_s, "heal")
+
+
+def heal(group, sources: dict[int, int]) -> list[dict]:
+    """Every rank in `sources` (receiver -> sender, ranks of the new world) receives its state
+    from its sender; every other rank takes the state it kept and sends it to the ranks that
+    name it. Returns each rank's {"step", "bytes", "s"}."""
+    sends = defaultdict(list)
+    for dst, src in sources.items():
+        sends[src].append(dst)
+    calls = [w.heal.remote(sources.get(rank), sorted(sends[rank])) for rank, w in enumerate(group.workers)]
+    return group._get(calls, group.start_timeout_s, "heal")

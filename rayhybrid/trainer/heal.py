@@ -1,0 +1,184 @@
+"""Peer healing (`fault.heal`): a rank's state kept in memory across a failure, and sent over the
+new process group to the ranks of other replicas that lost theirs (no Ray here).
+
+    kept = keep(trainer)                 # on a failure, before the trainer and its groups go
+    kept.shape == shape_of(new_trainer)  # the same shards: same pp and tp coordinates and sizes
+    restore(new_trainer, kept)           # a rank that kept the step the run heals to
+    send(new_trainer, [3, 7])            # ...and gives it to the ranks that did not
+    receive(new_trainer, src=1)          # a replacement, or a survivor a step behind
+
+What a rank holds is its local shards (`DTensor.to_local()`) of the model and optimizer state,
+its RNG state, the step and the samples consumed (which fix the data position: sample i is a
+function of the data, the seed and i). With the same pipeline and tensor-parallel coordinates,
+a rank of another data-parallel replica holds the same shards, whatever dp is, unless FSDP
+shards over dp (`topology.dp_shard`), which heal never uses. The tensors go rank to rank with
+`torch.distributed` point-to-point sends on the run's all-ranks group, in the order of their
+names, which both sides list from the same model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rayhybrid.data.streams import replica_shard
+from rayhybrid.trainer.checkpoint import apply, state_dict
+
+log = logging.getLogger(__name__)
+
+
+def heal_enabled(cfg) -> bool:
+    """Whether this layout votes before each optimizer step and keeps its state on a failure:
+    fault.heal, with a second replica holding the same shards (dp >= 2, no FSDP over dp)."""
+    t = cfg.topology
+    return bool(cfg.fault.heal) and t.dp >= 2 and not t.dp_shard
+
+
+def shape_of(trainer) -> tuple:
+    """What a rank's shards are: its pp and tp coordinates, the pp and tp sizes and its stages."""
+    t = trainer.cfg.topology
+    return (trainer.coord.pp, trainer.coord.tp, t.pp, t.tp, tuple(i for i, _ in trainer.stages))
+
+
+@dataclass
+class Kept:
+    """A rank's state at the end of step `step`, outliving its trainer and process groups."""
+
+    step: int
+    consumed_samples: int
+    val_loss: tuple[int, float] | None
+    shape: tuple
+    tensors: dict[str, torch.Tensor]
+    """"model/<name>", "optim/<name>" (local shards, on the CPU) and "rng"."""
+    metrics: dict | None
+    """The metrics of step `step` (the driver may not have had them: see `Trainer.last_metrics`)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def keep(trainer) -> Kept:
+    """The trainer's state, detached from its meshes and groups. On a GPU the shards are copied
+    to host memory, so the new trainer's own fit beside them; on the CPU they are the tensors
+    themselves, which the trainer no longer needs."""
+    tensors = {key: _host(t) for key, t in _local_tensors(trainer).items()}
+    tensors["rng"] = torch.get_rng_state()
+    return Kept(
+        trainer.step,
+        trainer.consumed_samples,
+        trainer.evaluation.val_loss,
+        shape_of(trainer),
+        tensors,
+        _step_record(trainer),
+    )
+
+
+def _step_record(trainer) -> dict | None:
+    """The last step's metrics as the driver records a step, if they are this state's: when a
+    rank dies after the commit vote, the others step, but the driver never has that step's
+    results. The samples each replica read follow from the position (the data invariant)."""
+    m = trainer.last_metrics
+    if not m or m["step"] != trainer.step:
+        return None
+    per_rank = ("samples_read", "data_read", "trace", "peak_mb", "activation_mb")
+    record = {k: v for k, v in m.items() if k not in per_rank}
+    t, global_batch = trainer.cfg.topology, trainer.cfg.train.global_batch_size
+    shards = [replica_shard(trainer.consumed_samples - global_batch, global_batch, t.dp, d) for d in range(t.dp)]
+    record["samples"] = [[s.start, s.count] for s in shards]
+    return record
+
+
+def restore(trainer, kept: Kept) -> None:
+    """Set `trainer` (built anew, with the same shards) to the kept state."""
+    trainer.settled = False
+    state, keys = state_dict(trainer)
+    for key, local in _locals_of(state).items():
+        local.copy_(kept.tensors[key])
+    state["extra"]["rng"] = kept.tensors["rng"]
+    apply(trainer, state, keys)
+    _set_position(trainer, kept.step, kept.consumed_samples, kept.val_loss)
+
+
+def send(trainer, receivers: list[int]) -> int:
+    """Send this rank's state (restored, or trained) to each of `receivers` (ranks of the new
+    world with this rank's pp and tp); returns the bytes sent."""
+    group, device = trainer.world_group, trainer.device
+    tensors = [t.to(device).contiguous() for t in _payload(trainer)]
+    sent = 0
+    for dst in receivers:
+        works = [dist.isend(t, dst=dst, group=group, tag=i) for i, t in enumerate(tensors)]
+        for work in works:
+            work.wait()
+        sent += sum(t.nbytes for t in tensors)
+    return sent
+
+
+def receive(trainer, src: int) -> int:
+    """Receive the state `send` sends from rank `src` into this rank's trainer; returns the
+    bytes received."""
+    trainer.settled = False
+    group, device = trainer.world_group, trainer.device
+    state, keys = state_dict(trainer)
+    locals_ = _locals_of(state)
+    targets = [*(locals_[key] for key in sorted(locals_)), torch.get_rng_state(), _position(trainer)]
+    buffers = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets]
+    works = [dist.irecv(b, src=src, group=group, tag=i) for i, b in enumerate(buffers)]
+    for work in works:
+        work.wait()
+    for target, got in zip(targets[:-2], buffers):
+        target.copy_(got)
+    state["extra"]["rng"] = buffers[-2].cpu()
+    step, consumed, has_val, val_step, val_bits = buffers[-1].cpu().tolist()
+    val_loss = (val_step, _float_of(val_bits)) if has_val else None
+    apply(trainer, state, keys)
+    _set_position(trainer, step, consumed, val_loss)
+    return sum(b.nbytes for b in buffers)
+
+
+def _payload(trainer) -> list[torch.Tensor]:
+    """What `send` sends, in `receive`'s order: the shards by name, the RNG, the position."""
+    locals_ = _local_tensors(trainer)
+    return [*(locals_[key] for key in sorted(locals_)), torch.get_rng_state(), _position(trainer)]
+
+
+def _position(trainer) -> torch.Tensor:
+    """step, samples consumed and the latest held-out loss (its step and float64 bits)."""
+    val = trainer.evaluation.val_loss
+    bits = torch.tensor([val[1]], dtype=torch.float64).view(torch.int64).item() if val else 0
+    return torch.tensor(
+        [trainer.step, trainer.consumed_samples, int(val is not None), val[0] if val else 0, bits], dtype=torch.int64
+    )
+
+
+def _float_of(bits: int) -> float:
+    return torch.tensor([bits], dtype=torch.int64).view(torch.float64).item()
+
+
+def _set_position(trainer, step: int, consumed: int, val_loss) -> None:
+    trainer.step, trainer.consumed_samples = int(step), int(consumed)
+    trainer.evaluation.val_loss = val_loss
+    trainer.settled = True
+
+
+def _local_tensors(trainer) -> dict[str, torch.Tensor]:
+    state, _ = state_dict(trainer)
+    return _locals_of(state)
+
+
+def _locals_of(state: dict) -> dict[str, torch.Tensor]:
+    """ "model/<name>" and "optim/<name>" -> the local shard of each tensor in `state`."""
+    out = {}
+    for section in ("model", "optim"):
+        for name, value in state[section].items():
+            if isinstance(value, torch.Tensor):
+                out[f"{section}/{name}"] = value.to_local() if isinstance(value, DTensor) else value
+    return out
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True) if t.device.type != "cpu" else t.detach()
