@@ -93,8 +93,10 @@ def in_background(overrides: list[str], run_dir: Path) -> tuple[threading.Thread
 
 
 def test_sigkill_of_a_rank_mid_run(tmp_path, reference, reference_dir):
-    """dp2_pp2_tp2, evaluating every 3 steps: rank 5 is SIGKILLed; the recovered run ends with
-    the losses and held-out losses of an uninterrupted one-rank run."""
+    """dp2_pp2_tp2, evaluating every 3 steps: rank 5 is SIGKILLed; rank 1 of the other replica
+    holds the same shard, so rank 5's replacement is healed from it and no step is trained
+    again; the recovered run ends with the losses and held-out losses of an uninterrupted
+    one-rank run."""
     run_dir = tmp_path / "run"
     thread, result = in_background(["+topology=dp2_pp2_tp2", *COMMON, *EVAL, "train.steps=12"], run_dir)
     when_step(run_dir, 5)
@@ -105,7 +107,9 @@ def test_sigkill_of_a_rank_mid_run(tmp_path, reference, reference_dir):
     assert summary is not None, result.get("error")
     assert summary["status"] == "completed" and summary["restarts"] == 1
     (recovery,) = summary["recoveries"]
-    assert recovery["resume_step"] in (3, 6) and "rank" in recovery["cause"]
+    assert recovery["resume_step"] == recovery["failed_step"] - 1 and "rank" in recovery["cause"]
+    assert (recovery["healed"], recovery["steps_redone"]) == ("peer", 0)
+    assert recovery["bytes_sent"] > 0 and not events(run_dir, "resume")
     # Only the killed rank was replaced: the other seven processes carried on in the new group.
     assert recovery["replaced_ranks"] == [5]
     pids_after = [w["pid"] for w in json.loads((run_dir / "workers.json").read_text())]
@@ -123,8 +127,9 @@ def test_sigkill_of_a_rank_mid_run(tmp_path, reference, reference_dir):
 
 def test_llama3_rank_killed_mid_run_recovers(tmp_path):
     """llama3_debug under pp2 x tp2: rank 1 SIGKILLs itself at the start of step 5
-    (fault.inject). Only it is replaced, the run goes back to step 3 and ends with the losses
-    of an uninterrupted one-rank run."""
+    (fault.inject). Only it is replaced; with dp=1 no peer holds its shard, so the run goes back
+    to the checkpoint of step 3 (step 4 trained again) and ends with the losses of an
+    uninterrupted one-rank run."""
     llama = ["model=llama3_debug", *COMMON, "train.steps=9"]
     reference = rayhybrid.train(llama, run_dir=tmp_path / "ref")
     assert reference["status"] == "completed"
@@ -133,6 +138,7 @@ def test_llama3_rank_killed_mid_run_recovers(tmp_path):
     assert summary["status"] == "completed" and summary["steps"] == 9 and summary["restarts"] == 1
     (recovery,) = summary["recoveries"]
     assert recovery["resume_step"] == 3 and recovery["replaced_ranks"] == [1]
+    assert (recovery["healed"], recovery["steps_redone"]) == ("checkpoint", 1)
     assert [(e["step"], e["kind"], e["rank"]) for e in events(run_dir, "fault_injected")] == [(5, "kill", 1)]
     assert losses(run_dir) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
     names = sorted(os.listdir(run_dir / "checkpoints"))
@@ -153,6 +159,7 @@ def test_hung_rank_is_detected_by_step_timeout(tmp_path, reference):
     # Found and gone within the 2 s ping and a SIGKILL on its node (it was a 5 s ping, then
     # ray.kill's grace of about 5 s for a process that cannot answer).
     assert summary["recoveries"][0]["teardown_s"] < 5.0, summary["recoveries"][0]
+    assert summary["recoveries"][0]["steps_redone"] == 0  # healed from rank 0
     assert losses(run_dir) == pytest.approx(reference[:9], rel=1e-5)
     with pytest.raises(ProcessLookupError):  # the stopped worker was killed in the teardown
         for _ in range(50):
@@ -186,7 +193,8 @@ def test_restarts_run_out(tmp_path):
 def test_kill_during_checkpoint_save_keeps_previous(tmp_path, reference, mode):
     """Rank 1 dies in the step-6 save once its own shards are written (kill_save): mid-upload
     when saves are asynchronous, while training has gone on to step 7. The half-written step 6
-    has no commit marker, so it is never loaded: the run goes back to step 3."""
+    has no commit marker, so it is never loaded: the run goes back to step 3 (fault.heal=false:
+    healing from rank 0 would load no checkpoint at all)."""
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     overrides = [
         "+topology=dp2",
@@ -194,6 +202,7 @@ def test_kill_during_checkpoint_save_keeps_previous(tmp_path, reference, mode):
         "train.steps=12",
         f"checkpoint.async_save={mode == 'async'}",
         "fault.inject=[kill_save@6:1]",
+        "fault.heal=false",
     ]
     summary = rayhybrid.train(overrides, run_dir=run_dir)
     assert summary["status"] == "completed" and summary["steps"] == 12
@@ -225,8 +234,8 @@ def test_sigkill_during_an_upload_leaves_at_once(tmp_path, reference):
     collectives and held their process groups open, so peers blocked on them waited out the
     30 s drain and were replaced too (teardown 30.6-31.0 s, ranks [3, 4, 5] or [0, 7] replaced
     for one dead rank, in 3 of 3 tries). Now the survivors leave at once, only rank 3 is
-    replaced, the half-written step 6 is never committed nor left behind, and the losses are
-    an uninterrupted run's."""
+    replaced (and healed from its peer, rank 7), the half-written step 6 is never committed nor
+    left behind, and the losses are an uninterrupted run's."""
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     uploading = Logged("checkpoint step 6: training blocked")
     logging.getLogger("rayhybrid").addHandler(uploading)
@@ -242,7 +251,7 @@ def test_sigkill_during_an_upload_leaves_at_once(tmp_path, reference):
     (recovery,) = summary["recoveries"]
     assert recovery["replaced_ranks"] == [3], recovery
     assert recovery["teardown_s"] < 5.0, recovery  # 0.6-1.0 s measured on 2 busy cores; the bug: 30 s
-    assert recovery["resume_step"] in (3, 6)  # 6 only if its upload won the race with the kill
+    assert recovery["resume_step"] >= 6 and (recovery["healed"], recovery["steps_redone"]) == ("peer", 0)
     assert not checkpoint_store.uncommitted(ckpts)
     assert checkpoint_store.latest(ckpts).step == 12
     assert not list(ckpts.glob("*/__results_*")), "the ranks' write results are removed once .metadata is written"
@@ -265,9 +274,13 @@ def test_failure_that_repeats_at_the_same_step_stops(tmp_path):
     assert summary["status"] == "failed" and summary["restarts"] == 1
 
 
-def test_failure_before_the_first_checkpoint_starts_over(tmp_path, reference):
+@pytest.mark.parametrize("heal", [False, True], ids=["checkpoint", "peer"])
+def test_failure_before_the_first_checkpoint(tmp_path, reference, heal):
+    """No checkpoint is ever written (checkpoint.every=0) and rank 1 is SIGKILLed after step 2:
+    without healing the run starts over from step 0; with it, rank 1's replacement receives
+    rank 0's state and no step is trained again."""
     run_dir = tmp_path / "run"
-    overrides = ["+topology=dp2", *COMMON, "train.steps=6", "checkpoint.every=0"]
+    overrides = ["+topology=dp2", *COMMON, "train.steps=6", "checkpoint.every=0", f"fault.heal={heal}"]
     thread, result = in_background(overrides, run_dir)
     when_step(run_dir, 2)
     signal_rank(run_dir, 1, signal.SIGKILL)
@@ -275,12 +288,14 @@ def test_failure_before_the_first_checkpoint_starts_over(tmp_path, reference):
     summary = result.get("summary")
     assert summary is not None, result.get("error")
     (recovery,) = summary["recoveries"]
-    assert recovery["resume_step"] == 0 and summary["status"] == "completed"
-    # The steps trained before the failure were dropped from metrics.jsonl and trained again.
-    steps = [
-        r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r
-    ]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    assert summary["status"] == "completed"
+    if heal:
+        assert recovery["resume_step"] == recovery["failed_step"] - 1 >= 2
+        assert (recovery["healed"], recovery["steps_redone"]) == ("peer", 0)
+    else:
+        assert recovery["resume_step"] == 0 and recovery["healed"] == "checkpoint"
+        assert recovery["steps_redone"] == recovery["failed_step"] - 1
+    # losses() checks that each step is in metrics.jsonl once (steps trained again replace theirs).
     assert losses(run_dir) == pytest.approx(reference[:6], rel=1e-5)
 
 
