@@ -19,7 +19,7 @@ from rayhybrid.config.compose import compose, to_config
 from rayhybrid.config.compose import replace as replace_cfg
 from rayhybrid.config.schema import Config, FaultConfig
 from rayhybrid.errors import ConfigError
-from rayhybrid.faults import KINDS, FaultPlan, InjectedFault, Injection, parse, trigger, validate_faults
+from rayhybrid.faults import KINDS, RANDOM_KINDS, FaultPlan, InjectedFault, Injection, parse, trigger, validate_faults
 from rayhybrid.preflight import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +91,7 @@ def test_parse_rejects_unknown_kind():
 def test_valid_faults_pass():
     fault = {"inject": ("kill@1", "hang@9:0", "raise@150", "kill_save@50", "kill_save@150", "kill@50")}
     validate(_cfg(fault=fault))
-    validate(_cfg(fault={"inject_rate": 1.0, "inject_kinds": KINDS}))
+    validate(_cfg(fault={"inject_rate": 1.0, "inject_kinds": RANDOM_KINDS}))
     validate(_cfg(fault={"inject_rate": 0.0, "inject_kinds": ()}))  # no random faults: kinds unused
 
 
@@ -306,3 +306,13 @@ def test_trigger_hang_stops_the_process():
         proc.send_signal(signal.SIGKILL)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL and b"survived" not in out
+
+
+def test_kill_eval_needs_an_evaluation_step_and_is_never_drawn_at_random():
+    every4 = {"every": 4}
+    validate(_cfg(fault={"inject": ("kill_eval@8",)}, eval=every4))  # an eval step: fine
+    err = _error(_cfg(fault={"inject": ("kill_eval@6",)}, eval=every4))
+    assert err.setting == "fault.inject" and "no evaluation after step 6" in err.message
+    assert "eval.every=4" in err.message
+    err = _error(_cfg(fault={"inject_rate": 0.1, "inject_kinds": ("kill_eval",)}, eval=every4))
+    assert err.setting == "fault.inject_kinds" and "unknown kind 'kill_eval'" in err.message

@@ -66,6 +66,7 @@ def test_recovery_from_s3_is_exact_and_keeps_no_secret(cluster, reference, tmp_p
         f"checkpoint.dir={url}",
         "checkpoint.keep=2",
         "fault.inject=[kill@7:1]",
+        "fault.heal=false",  # the restore from the bucket is the point (healing loads nothing)
         # The same credentials handed to fsspec as well: they must not be written anywhere either.
         f"checkpoint.storage_options.key={KEY}",
         f"checkpoint.storage_options.secret={SECRET}",
@@ -116,9 +117,10 @@ def test_dp2_pp2_tp2_checkpoint_resumes_as_tp2_from_s3(cluster, reference, tmp_p
 def test_save_killed_mid_upload_is_never_loaded(cluster, reference, tmp_path):
     """Rank 1 dies once its shards of the step-4 checkpoint are in the bucket, while the upload
     runs behind step 5: no marker, so the run goes back to step 2, whose upload was committed
-    before the step-4 save began."""
+    before the step-4 save began (fault.heal=false: healing would load no checkpoint)."""
     run_dir, url = tmp_path / "run", "s3://ckpts/midupload"
     overrides = [*COMMON, "+topology=dp2", "train.steps=6", f"checkpoint.dir={url}", "fault.inject=[kill_save@4:1]"]
+    overrides.append("fault.heal=false")
     summary = rayhybrid.train(overrides, run_dir=run_dir)
     assert summary["status"] == "completed" and summary["restarts"] == 1
     assert summary["recoveries"][0]["resume_step"] == 2

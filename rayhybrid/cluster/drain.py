@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import ray
@@ -42,6 +43,8 @@ class Drained:
     broken: frozenset[int]
     nodes_lost: frozenset[str]
     """Nodes of dead workers that the cluster has declared dead."""
+    ping_s: float = 0.0
+    """After a hang: the seconds spent finding the hung workers (part of detecting the failure)."""
 
 
 def drain(group) -> Drained:
@@ -53,7 +56,9 @@ def drain(group) -> Drained:
     checks, and until then its placement group looks placed."""
     topo = group.layout.topology
     workers = group.workers
+    start = time.perf_counter()
     hung = unresponsive(group) if group._hung else set()
+    ping_s = time.perf_counter() - start
     sigkill([group.infos[rank] for rank in hung])  # their connections close: blocked peers fail
     group._stop([workers[rank] for rank in hung])
     dead = set(hung)
@@ -91,7 +96,7 @@ def drain(group) -> Drained:
         f"; {len(nodes_lost)} node(s) lost" if nodes_lost else "",
     )
     broken = frozenset(group.active[topo.coord(rank).dp] for rank in dead)
-    return Drained(frozenset(dead), broken, frozenset(nodes_lost))
+    return Drained(frozenset(dead), broken, frozenset(nodes_lost), ping_s)
 
 
 def unresponsive(group) -> set[int]:

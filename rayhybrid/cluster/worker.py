@@ -172,12 +172,16 @@ class TrainWorker:
     def train(self, steps: int = 1, inject: str | None = None) -> list[dict]:
         """Train `steps` steps, each followed by the held-out loss when eval.every says so;
         `inject`: a `fault.inject` kind to trigger first (kill, hang, raise)."""
+        if inject == "kill_eval":  # at the start of the evaluation after the step
+            return self._guarded(lambda: [self._step(inject) for _ in range(steps)])
         return self._guarded(self._injected(inject, lambda: [self._step() for _ in range(steps)]))
 
-    def _step(self) -> dict:
+    def _step(self, inject: str | None = None) -> dict:
         metrics = self.trainer.train_step()
         self.trainer.last_metrics = metrics
         if self.cfg.eval.due(metrics["step"], self.cfg.train.steps):
+            if inject is not None:
+                fault.trigger(inject, metrics["step"])
             start = time.perf_counter()
             metrics["val_loss"] = self.trainer.evaluate()
             metrics["eval_s"] = time.perf_counter() - start

@@ -229,8 +229,10 @@ class FaultConfig:
     `fault.inject=[kill@5,hang@9:3]`. KIND: kill (the rank SIGKILLs itself at the start of step
     STEP), hang (it SIGSTOPs itself; found by fault.step_timeout_s), raise (it raises
     InjectedFault), kill_save (it SIGKILLs itself in the checkpoint save after step STEP, which
-    must be a checkpoint step, once its own data is written: mid-upload when async). STEP: 1-based optimizer step. RANK: the victim; without it, one
-    drawn with fault.inject_seed. Each fires once per run (see rayhybrid/fault.py)."""
+    must be a checkpoint step, once its own data is written: mid-upload when async), kill_eval
+    (it SIGKILLs itself at the start of the evaluation after step STEP, an eval.every step).
+    STEP: 1-based optimizer step. RANK: the victim; without it, one drawn with
+    fault.inject_seed. Each fires once per run (see rayhybrid/faults/plan.py)."""
     inject_rate: float = 0.0
     """Random faults: the chance in [0, 1] that a step gets one (each step number drawn once)."""
     inject_kinds: tuple[str, ...] = ("kill", "hang", "raise")

@@ -153,7 +153,7 @@ class Controller:
             return self._finish(run)
         if self.stop_requested:
             return self._stop(run)
-        inject = self.log.injected(self.faults.due(run.step + 1, "step", self._world(run)))
+        inject = self.log.injected(self.faults.due(run.step + 1, "step", _world(self.cfg, run)))
         try:
             (metrics,) = run.group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
         except WorkerError as err:
@@ -168,21 +168,14 @@ class Controller:
     def on_resizing(self, state: Resizing) -> Training | Recovering:
         """Grow onto the slots given, restarting from the checkpoint just written."""
         run, intr = state.run, state.interruption
-        log.warning(
-            "resize dp %d -> %d at step %d: %s; restarting from the checkpoint just written",
-            run.dp,
-            len(state.slots),
-            intr.step,
-            intr.cause,
-        )
+        self.log.resizing(run.dp, len(state.slots), intr)
         mark = time.perf_counter()
         try:
             run = self.ledger.check_storage(run, run.group, state.slots).but(slots=state.slots)
             run.group.rebuild(list(state.slots))
         except WorkerError as err:
             return self._failed(run, err, intr.step + 1, None)
-        intr = intr.but(init_s=time.perf_counter() - mark, dp_after=run.dp)
-        return Training(*self._restore(run, intr))
+        return self._resume(run, intr.but(init_s=time.perf_counter() - mark, dp_after=run.dp), heal=False)
 
     def on_recovering(self, state: Recovering) -> Training | Starting | Recovering | Failed:
         """Keep the workers that survived, decide (restart or give up), replace what is gone
@@ -200,7 +193,9 @@ class Controller:
         log.warning("restart %d/%d: replacing the failed workers", intr.restart, self.cfg.fault.max_restarts)
         if run.group is None:  # the start failed: start again
             return Starting(run, intr)
-        return self._replace(run, intr.but(teardown_s=time.perf_counter() - mark), drained)
+        found_s = drained.ping_s if drained else 0.0  # finding a hung worker is detection
+        intr = intr.but(detect_s=intr.detect_s + found_s, teardown_s=time.perf_counter() - mark - found_s)
+        return self._replace(run, intr, drained)
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -216,7 +211,7 @@ class Controller:
             return self.drains.evacuate(run, notice, last_step_at)
         if not self.cfg.checkpoint.due(step, self.cfg.train.steps):
             return Training(run)
-        inject = self.log.injected(self.faults.due(step, "save", self._world(run)))
+        inject = self.log.injected(self.faults.due(step, "save", _world(self.cfg, run)))
         try:
             run = self.ledger.save(run, step, inject)
         except WorkerError as err:
@@ -267,7 +262,7 @@ class Controller:
         except WorkerError as err:
             return self._failed(run, err, intr.step, None)
         intr = intr.but(init_s=time.perf_counter() - mark, dp_after=run.dp, replaced_ranks=sorted(drained.dead))
-        return Training(*self._restore(run, intr, heal=True))
+        return self._resume(run, intr, heal=True)
 
     def _request_stop(self, signum, frame) -> None:
         """The SIGTERM handler: stop at the next step boundary (a handler must not interrupt a
@@ -312,6 +307,13 @@ class Controller:
         intr = Interruption("restart", str(err), step, run.dp, resume_step=good.step if good else 0, detect_s=detect)
         return Recovering(run, err, intr, injected=inject is not None)
 
+    def _resume(self, run: RunState, intr: Interruption, heal: bool) -> Training | Recovering:
+        """Heal or restore the rebuilt group; a failure meanwhile is recovered from in turn."""
+        try:
+            return Training(*self._restore(run, intr, heal))
+        except WorkerError as err:
+            return self._failed(run, err, run.step + 1, None)
+
     def _restore(self, run: RunState, intr, heal: bool = False) -> tuple[RunState, Interruption | None]:
         """After a failure (`heal`), heal from the survivors' state when the heal policy says
         so, else load the latest checkpoint into the group (if any); describe the workers."""
@@ -327,9 +329,6 @@ class Controller:
             with_dp(self.cfg, run.dp), group.placement(), [i.pid for i in group.infos], group.descriptions[0]
         )
         return run, intr
-
-    def _world(self, run: RunState) -> int:
-        return Layout.of(with_dp(self.cfg, run.dp)).world_size
 
     def _close(self, state: State, started_ray: bool, status: str, error: str | None) -> dict:
         """summary.json from the run log and the final run state; the workers and Ray stopped."""
@@ -364,6 +363,10 @@ def _report(s: dict, path) -> dict:
         path,
     )
     return s
+
+
+def _world(cfg: Config, run: RunState) -> int:
+    return Layout.of(with_dp(cfg, run.dp)).world_size
 
 
 def _fmt(value: float | None) -> str:

@@ -43,17 +43,12 @@ class Healing:
             why = "no rank kept its state" if not any(kept) else "a shard has no live copy of the newest step"
             log.info("healing from peers is not possible (%s): restoring the checkpoint", why)
             return None
+        log.info("healing %d rank(s) from their data-parallel peers at step %d", plan.transfers, plan.step)
         mark = time.perf_counter()
         done = heal(group, _by_rank(topo, plan))
         sent = sum(r["bytes"] for r, k in zip(done, kept) if k is not None)
         took = time.perf_counter() - mark
-        log.info(
-            "healed %d rank(s) from their data-parallel peers at step %d: %.1f MB in %.2fs",
-            plan.transfers,
-            plan.step,
-            sent / 1e6,
-            took,
-        )
+        log.info("healed: %.1f MB sent in %.2fs", sent / 1e6, took)
         finished = []
         record = next((k["metrics"] for k in kept if k and k["step"] == plan.step and k["metrics"]), None)
         if plan.step > run.step and record is not None:  # ranks that passed the last vote stepped

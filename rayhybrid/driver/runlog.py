@@ -129,6 +129,16 @@ class RunLog:
             )
         return injection
 
+    def resizing(self, dp: int, to_dp: int, intr: Interruption) -> None:
+        """A grow begins (at a checkpoint boundary)."""
+        log.warning(
+            "resize dp %d -> %d at step %d: %s; restarting from the checkpoint just written",
+            dp,
+            to_dp,
+            intr.step,
+            intr.cause,
+        )
+
     def interruption(self, intr: Interruption) -> None:
         """A restart or resize whose first step is done: its records."""
         if intr.kind == "restart":

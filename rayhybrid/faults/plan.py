@@ -30,10 +30,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KINDS = ("kill", "hang", "raise", "kill_save")
+KINDS = ("kill", "hang", "raise", "kill_save", "kill_eval")
 """kill: SIGKILL at the start of the step; hang: SIGSTOP there; raise: `InjectedFault` there;
 kill_save: SIGKILL during the checkpoint save after the step, once the rank's own data is
-written (mid-upload when saves are asynchronous)."""
+written (mid-upload when saves are asynchronous); kill_eval: SIGKILL at the start of the
+held-out evaluation after the step (planned only, at a step eval.every evaluates)."""
+RANDOM_KINDS = ("kill", "hang", "raise", "kill_save")
 PHASES = ("step", "save")
 FORM = "KIND@STEP or KIND@STEP:RANK, e.g. kill@5 or hang@9:3"
 _PATTERN = re.compile(r"(?P<kind>\w+)@(?P<step>-?\d+)(?::(?P<rank>\d+))?")
@@ -127,8 +129,8 @@ def _validate_random(cfg: Config) -> None:
         )
     kinds = _entries(cfg.fault.inject_kinds)
     for kind in kinds:
-        if kind not in KINDS:
-            raise ConfigError("fault.inject_kinds", f"unknown kind {kind!r}; choose from: {', '.join(KINDS)}")
+        if kind not in RANDOM_KINDS:
+            raise ConfigError("fault.inject_kinds", f"unknown kind {kind!r}; choose from: {', '.join(RANDOM_KINDS)}")
     if rate > 0 and not kinds:
         raise ConfigError(
             "fault.inject_kinds", f"is empty but fault.inject_rate={rate}; list kinds, e.g. [{', '.join(KINDS[:3])}]"
@@ -152,6 +154,12 @@ def _validate_injection(cfg: Config, injection: Injection, text: str) -> None:
             else f"use a multiple of checkpoint.every={every} or the last step {steps}"
         )
         raise ConfigError("fault.inject", f"{text!r}: step {injection.step} is not a checkpoint step; {fix}")
+    if injection.kind == "kill_eval" and not cfg.eval.due(injection.step, steps):
+        raise ConfigError(
+            "fault.inject",
+            f"{text!r}: no evaluation after step {injection.step}; use a multiple of eval.every={cfg.eval.every} "
+            f"(eval.every>0) or the last step {steps}",
+        )
     world = max_world_size(cfg)
     if injection.rank is not None and injection.rank >= world:
         ranks = f"{world} rank" if world == 1 else f"{world} ranks"
@@ -217,7 +225,7 @@ def trigger(kind: str, step: int) -> None:
     """Worker side, in the victim rank's process: kill and kill_save SIGKILL it, hang SIGSTOPs it
     (a hang for fault.step_timeout_s to find), raise raises `InjectedFault`."""
     log.warning("injecting fault %s@%d in pid %d (fault.inject)", kind, step, os.getpid())
-    if kind in ("kill", "kill_save"):
+    if kind in ("kill", "kill_save", "kill_eval"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
