@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -83,10 +82,19 @@ class Run:
             raise RuntimeError(f"run failed ({self.proc.returncode}):\n{''.join(self.output[-40:])}")
         return json.loads((self.run_dir / "summary.json").read_text())
 
-    def kill_rank(self, rank: int) -> float:
+    def signal_rank(self, rank: int, sig: int) -> float:
+        """Send `sig` to a rank's process; returns the wall time (time.time(), as the records')."""
         pid = json.loads((self.run_dir / "workers.json").read_text())[rank]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        return time.perf_counter()
+        os.kill(pid, sig)
+        return time.time()
+
+    def wait_for_line(self, text: str, timeout: float = 600) -> None:
+        """Until the run prints a line containing `text`."""
+        deadline = time.perf_counter() + timeout
+        while not any(text in line for line in list(self.output)):
+            if time.perf_counter() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"the run never printed {text!r}:\n{''.join(self.output[-30:])}")
+            time.sleep(0.01)
 
 
 def train(overrides: list[str], run_dir: Path, extra_env: dict | None = None) -> tuple[dict, list[dict], float]:

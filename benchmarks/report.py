@@ -150,38 +150,46 @@ def _startup(r: dict) -> str:
 
 def _recovery(r: dict) -> str:
     out = (
-        "## 4. Recovery: kill -9 of a rank to the first step after it\n\nrayhybrid: dp2_pp2_tp2 (8 ranks), "
-        "a checkpoint every 3 steps, rank 5 killed after step 5; only the dead rank's process is replaced. "
-        "Ray Train: 8 DDP workers, `FailureConfig(max_failures=1)`, a checkpoint reported every step, worker 5 "
-        "killed after step 5's checkpoint is committed; Ray Train restarts the whole worker group.\n\n"
+        "## 4. Recovery: a rank or node lost, to the first step after it\n\nrayhybrid: dp2_pp2_tp2 (8 ranks), "
+        "a checkpoint every 3 steps; rank 5 SIGKILLed after step 5 (healed from its data-parallel peer, the "
+        "default, and with `fault.heal=false` restored from the checkpoint of step 3), rank 3 SIGKILLed while "
+        "step 6's checkpoint uploads, rank 5 stopped with SIGSTOP (`fault.step_timeout_s=5`); and dp2 on a "
+        "2-node `Cluster` (health checks every 1 s, 3 failures) whose node of rank 0 dies outright after "
+        "step 4 while a spare node comes up. Ray Train: 8 DDP workers, `FailureConfig(max_failures=1)`, a "
+        "checkpoint reported every step, worker 5 killed after step 5's checkpoint is committed; Ray Train "
+        "restarts the whole worker group. Kill to next step: from the signal to the driver's record of the "
+        "next step.\n\n"
     )
     out += _header(r)
-    if "rayhybrid" in r:
-        ours, theirs = r["rayhybrid"], r.get("raytrain", {})
-        rows = [
-            [
-                "rayhybrid",
-                _f(ours.get("total_s"), 1),
-                ", ".join(
-                    f"{k[:-2].replace('_', ' ')} {_f(v)}" for k, v in ours.items() if k != "total_s" and v is not None
-                ),
-            ],
+    cases, theirs = r.get("cases") or {}, r.get("raytrain") or {}
+    rows = []
+    for name, c in cases.items():
+        phases = ", ".join(
+            f"{k[:-2].replace('_', ' ')} {_f(c.get(k))}"
+            for k in ("detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")
+            if c.get(k) is not None
+        )
+        moved = f", {c['bytes_sent'] / 1e6:.2f} MB sent" if c.get("bytes_sent") else ""
+        source = f"{c.get('healed')}, {c.get('steps_redone')}{moved}"
+        rows.append([f"rayhybrid, {name}", _f(c.get("kill_to_next_step_s"), 1), source, phases])
+    if theirs:
+        rows.append(
             [
                 "Ray Train",
                 _f(theirs.get("kill_to_first_step_s"), 1),
+                f"checkpoint, {theirs.get('steps_redone', '?')}",
                 ", ".join(
                     f"{k[:-2].replace('_', ' ')} {_f(v)}"
                     for k, v in (theirs.get("breakdown") or {}).items()
                     if v is not None
                 ),
-            ],
-        ]
-        out += _table(["", "kill to next step (s)", "breakdown (s)"], rows)
-        if theirs.get("kill_to_first_step_s") and ours.get("total_s"):
-            out += (
-                f"Ray Train takes {theirs['kill_to_first_step_s'] / ours['total_s']:.1f}x as long; it redid "
-                f"{theirs.get('steps_redone', '?')} step(s) (rayhybrid redoes the steps since its last checkpoint).\n\n"
-            )
+            ]
+        )
+    if rows:
+        out += _table(["", "kill to next step (s)", "state from, steps redone", "phases (s)"], rows)
+    heal, ray_train = cases.get("peer heal", {}), theirs.get("kill_to_first_step_s")
+    if heal.get("kill_to_next_step_s") and ray_train:
+        out += f"Ray Train takes {ray_train / heal['kill_to_next_step_s']:.1f}x as long as a peer heal.\n\n"
     return out
 
 
@@ -512,8 +520,9 @@ def table(results: dict) -> str:
             )
         elif name == "recovery":
             lines.append(
-                f"{name:13s} rayhybrid {_f(r['rayhybrid'].get('total_s'), 1)}s, Ray Train "
-                f"{_f(r['raytrain'].get('kill_to_first_step_s'), 1)}s"
+                f"{name:13s} "
+                + ", ".join(f"{k} {_f(c.get('kill_to_next_step_s'), 1)}s" for k, c in r["cases"].items())
+                + f", Ray Train {_f(r['raytrain'].get('kill_to_first_step_s'), 1)}s"
             )
         elif name == "batch_search":
             lines.append(

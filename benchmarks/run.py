@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -140,25 +141,29 @@ def startup(tmp: Path, quick: bool) -> dict:
     return {"rows": rows}
 
 
+RECOVERY = [
+    "+topology=dp2_pp2_tp2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "data.seq_len=32",
+    "checkpoint.every=3",
+    "train.steps=10",
+    "train.log_every=100",
+]
+
+
 def recovery(tmp: Path, quick: bool) -> dict:
-    """kill -9 of rank 5 of dp2_pp2_tp2 mid-run: seconds to the first step after, broken down;
-    against Ray Train with FailureConfig (8 DDP workers, a checkpoint every step)."""
-    overrides = [
-        "+topology=dp2_pp2_tp2",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=2",
-        "data.seq_len=32",
-        "checkpoint.every=3",
-        "train.steps=10",
-        "train.log_every=100",
-    ]
-    run = common.Run(overrides, tmp / "recovery")
-    run.wait_for_step(5)
-    run.kill_rank(5)
-    summary = run.finish()
-    (rec,) = summary["recoveries"]
-    ours = {
-        k: rec.get(k) for k in ("total_s", "detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")
+    """Kill to the first step after it, broken down, in one invocation: dp2_pp2_tp2 with rank 5
+    SIGKILLed after step 5, healed from its peer (the default) and restored from the checkpoint
+    (fault.heal=false); rank 3 SIGKILLed while step 6's checkpoint uploads; rank 5 stopped
+    (SIGSTOP, fault.step_timeout_s=5); a node killed outright (dp2 on a 2-node Cluster); and Ray
+    Train with FailureConfig (8 DDP workers, a checkpoint every step)."""
+    cases = {
+        "peer heal": _recovery_case(tmp / "heal", [], _after_step(5, 5)),
+        "checkpoint restore": _recovery_case(tmp / "restore", ["fault.heal=false"], _after_step(5, 5)),
+        "upload in flight": _recovery_case(tmp / "upload", [], _uploading(6, 3)),
+        "stopped rank": _recovery_case(tmp / "stop", ["fault.step_timeout_s=5"], _after_step(5, 5, signal.SIGSTOP)),
+        "node killed outright": _node_outright(tmp / "node"),
     }
     theirs = common.baseline(
         "raytrain_train.py",
@@ -174,7 +179,79 @@ def recovery(tmp: Path, quick: bool) -> dict:
             "5",
         ],
     )
-    return {"rayhybrid": ours, "raytrain": theirs}
+    return {"cases": cases, "raytrain": theirs}
+
+
+RECORD = (
+    "healed",
+    "steps_redone",
+    "bytes_sent",
+    "total_s",
+    "detect_s",
+    "teardown_s",
+    "place_s",
+    "init_s",
+    "restore_s",
+    "first_step_s",
+)
+
+
+def _after_step(step: int, rank: int, sig: int = signal.SIGKILL):
+    def strike(run: common.Run) -> float:
+        run.wait_for_step(step)
+        return run.signal_rank(rank, sig)
+
+    return strike
+
+
+def _uploading(step: int, rank: int):
+    def strike(run: common.Run) -> float:
+        run.wait_for_line(f"checkpoint step {step}: training blocked")
+        return run.signal_rank(rank, signal.SIGKILL)
+
+    return strike
+
+
+def _recovery_case(run_dir: Path, extra: list[str], strike) -> dict:
+    """One run of RECOVERY with `strike` (which returns the wall time of the signal): the
+    restart record and the wall time from the signal to the next step's record."""
+    run = common.Run([*RECOVERY, *extra], run_dir)
+    struck = strike(run)
+    summary = run.finish()
+    (rec,) = summary["recoveries"]
+    after = next(r["time"] for r in common.steps_of(run_dir) if r["time"] > struck)
+    return {"kill_to_next_step_s": round(after - struck, 2)} | {k: rec.get(k) for k in RECORD}
+
+
+def _node_outright(run_dir: Path) -> dict:
+    """dp2 (a rank per node) on a 2-node Cluster with the health checks docs/recovery-and-
+    elasticity.md suggests; after step 4 the node of rank 0 dies at once (its raylet and its
+    rank), as in a power loss; the run places the lost replica on the other node and heals it."""
+    import threading
+
+    import ray
+
+    import rayhybrid
+    from tests.clusters import add_node, local_cluster, lose_power
+
+    with local_cluster(head_cpus=0, node_cpus=[2, 2]) as (cluster, _):
+        out: dict = {}
+        overrides = [o for o in RECOVERY if not o.startswith("+topology")] + ["+topology=dp2", "train.steps=9"]
+        thread = threading.Thread(target=lambda: out.update(s=rayhybrid.train(overrides, run_dir=run_dir)))
+        thread.start()
+        while len(common.steps_of(run_dir)) < 4:
+            time.sleep(0.02)
+        workers = json.loads((run_dir / "workers.json").read_text())
+        node = next(n for n in cluster.list_all_nodes() if n.node_id == workers[0]["node_id"])
+        struck = time.time()
+        cluster.remove_node(node, allow_graceful=False)
+        lose_power(workers, node.node_id)
+        add_node(cluster, 2)  # a spare comes up, as an autoscaler's would
+        thread.join(timeout=600)
+        ray.shutdown()
+    (rec,) = out["s"]["recoveries"]
+    after = next(r["time"] for r in common.steps_of(run_dir) if r["time"] > struck)
+    return {"kill_to_next_step_s": round(after - struck, 2)} | {k: rec.get(k) for k in RECORD}
 
 
 def batch_search(tmp: Path, quick: bool) -> dict:

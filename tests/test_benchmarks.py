@@ -71,7 +71,11 @@ def _results() -> dict:
         "startup": {"error": "RuntimeError: boom", **meta},
         "recovery": {
             **meta,
-            "rayhybrid": {"total_s": 5.0, "detect_s": 0.1},
+            "cases": {
+                "peer heal": {"kill_to_next_step_s": 5.0, "healed": "peer", "steps_redone": 0, "bytes_sent": 7e5}
+                | {"detect_s": 0.1},
+                "checkpoint restore": {"kill_to_next_step_s": 6.0, "healed": "checkpoint", "steps_redone": 2},
+            },
             "raytrain": {"kill_to_first_step_s": 30.0, "breakdown": {"detect_s": 2.0}, "steps_redone": 1},
         },
     }
@@ -85,7 +89,9 @@ def test_report_writes_each_section_with_its_command():
     assert "at most **1.90x**" in md
     assert "| dp2 | 0.400 | 0.420 | 1.050 | 0.400 | 0.430 | 1.075 | yes |" in md
     assert "**Failed**: `RuntimeError: boom`" in md  # a failed benchmark is said, not dropped
-    assert "Ray Train takes 6.0x as long" in md
+    assert "Ray Train takes 6.0x as long as a peer heal" in md
+    assert "| rayhybrid, peer heal | 5.0 | peer, 0, 0.70 MB sent | detect 0.10 |" in md
+    assert "| rayhybrid, checkpoint restore | 6.0 | checkpoint, 2 |  |" in md
     lines = report.table(results).splitlines()
     assert [line.split()[0] for line in lines] == ["scaling", "overhead", "startup", "recovery"]
     assert "FAILED" in lines[2] and "5.0s" in lines[3]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rayhybrid.config.goodput import compose_goodput, given
-from rayhybrid.driver.policies import Decision, FailurePolicy, ScalingPolicy
+from rayhybrid.driver.policies import Decision, FailurePolicy, HealPolicy, ScalingPolicy
 from rayhybrid.goodput.__main__ import main
 from rayhybrid.goodput.engine import CAUSES
 from rayhybrid.goodput.from_run import apply_run
@@ -91,6 +91,17 @@ def test_the_simulation_calls_the_drivers_failure_policy(monkeypatch):
     after = simulate(compose_goodput(small("strategy=restart_all"))).strategies["restart_all"]
     assert after.counts["restarts"] == 0 and after.stopped[0].startswith("gave up on failure")
     assert after.effective_time < 0.5 * before.effective_time
+
+
+def test_the_simulation_calls_the_drivers_heal_policy(monkeypatch):
+    overrides = small("strategy=peer_heal", "replica_gpus=64")
+    before = simulate(compose_goodput(overrides)).strategies["peer_heal"]
+    assert before.counts["heals"] > 0
+
+    monkeypatch.setattr(HealPolicy, "choose", lambda self, copies, checkpoint_step=None: None)
+    after = simulate(compose_goodput(overrides)).strategies["peer_heal"]
+    assert after.counts["heals"] == 0 and after.counts["fallbacks"] == after.counts["restarts"]
+    assert after.effective_time < before.effective_time
 
 
 def test_the_simulation_calls_the_drivers_scaling_policy(monkeypatch):

@@ -5,7 +5,8 @@ The run is in one phase at a time: training towards the next save, a blocking sa
 next event is the earliest of the phase's end, the trace's next failure and the run's end.
 Every failure that reaches the run goes through rayhybrid's own `FailurePolicy.decide`
 (restart or give up); the elastic strategies ask rayhybrid's `ScalingPolicy` which replicas to
-go on with after a loss (`on_loss`) and which to grow to at a save (`on_checkpoint`).
+go on with after a loss (`on_loss`) and which to grow to at a save (`on_checkpoint`); peer
+healing asks its `HealPolicy` whether the failed shard still has a live copy (`choose`).
 
 Time is accounted to kept work or to one cause of loss, so that kept + lost = the wall time.
 While an elastic run is shrunk to a fraction f of its replicas, f of each second goes to its
@@ -19,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rayhybrid.config.goodput import CostsConfig
-from rayhybrid.driver.policies import Failure, FailurePolicy, ScalingPolicy
+from rayhybrid.driver.policies import Failure, FailurePolicy, HealPolicy, ScalingPolicy
 from rayhybrid.goodput.failures import Category, Trace
 
 CAUSES = ("detection", "restart", "redone_work", "checkpoint", "waiting_for_nodes", "stopped")
@@ -65,6 +66,7 @@ class Job:
     seconds: float
     failure_policy: FailurePolicy
     min_dp: int
+    heal_policy: HealPolicy = field(default_factory=HealPolicy)
 
 
 @dataclass
@@ -115,6 +117,7 @@ class Simulation:
         self.free, self.need, self.pending = (job.spare_nodes if strategy.spares else 0), 0, (0.0, 0.0)
         self.repairs: deque[float] = deque()
         self.earlier: dict[int, list[Failure]] = {}
+        self.healing: set[int] = set()  # replicas whose state a heal under way is sending
         if not self.active:
             self.stop("fewer than elastic.min_dp replicas to start on")
 
@@ -178,6 +181,7 @@ class Simulation:
             if self.s.elastic:
                 self.maybe_grow()
         elif self.phase == RECOVER:
+            self.healing = set()
             self.phase = SAVE if self.pos >= self.saved + self.tau else RUN  # a heal mid-save
             self.save_left = self.c.save_s
         elif self.phase == WAIT:
@@ -196,8 +200,7 @@ class Simulation:
             self.stop(decision.reason)
             return
         self.out.restarts += 1
-        recovering = self.phase in (RECOVER, WAIT)
-        heal = self.s.heal and cat.peers_survive and len(self.active) >= 2 and not recovering
+        heal = self.s.heal and self.heals(cat, node)
         keep = max(self.saved, self.pos // self.c.step_s * self.c.step_s) if heal else self.saved
         self.out.heals += heal
         self.out.fallbacks += self.s.heal and not heal
@@ -219,6 +222,19 @@ class Simulation:
             return
         self.need += 1
         self.wait(detect, cost)
+
+    def heals(self, cat: Category, node: int) -> bool:
+        """rayhybrid's heal policy on the failed shard's copies, one per replica in use: the failed
+        replica's is lost (every copy, when the failure leaves no peer with the state), and so
+        is that of a replica a heal under way had not reached yet."""
+        replica = node // self.job.nodes_per_replica if node >= 0 else self.active[0]
+        lost = {replica} | (self.healing if self.phase in (RECOVER, WAIT) else set())
+        step = int(self.pos // self.c.step_s)
+        copies = [None if not cat.peers_survive or r in lost else step for r in self.active]
+        if self.job.heal_policy.choose({"failed shard": copies}, int(self.saved // self.c.step_s)) is None:
+            return False
+        self.healing = lost
+        return True
 
     def collect(self) -> None:
         """Repaired nodes go back to the pool."""

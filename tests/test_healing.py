@@ -1,0 +1,128 @@
+"""Peer healing (fault.heal) where a failure strikes: during an evaluation, during the heal
+itself, two ranks of different replicas at once, both copies of one shard (back to the
+checkpoint), and failures back to back. dp2_tp2: ranks 0 and 2 hold shard tp0, ranks 1 and 3
+shard tp1. Kills come from outside with SIGKILL, except where only the injector can place
+them (the start of an evaluation). Every run ends with the losses of an uninterrupted dp2_tp2
+run, bit for bit; every teardown takes at most 2 s; every heal redoes no step."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import pytest
+import ray
+
+import rayhybrid
+from tests.test_recovery import COMMON, EVAL, Logged, events, in_background, losses, signal_rank, val_losses, when_step
+
+pytestmark = pytest.mark.slow
+
+TOPOLOGY = ["+topology=dp2_tp2", *COMMON, *EVAL, "train.steps=12"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory) -> Path:
+    summary = rayhybrid.train(TOPOLOGY, run_dir=tmp_path_factory.mktemp("ref"))
+    return Path(summary["run_dir"])
+
+
+def finished(result: dict, thread) -> dict:
+    thread.join(timeout=400)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    assert summary["status"] == "completed" and summary["steps"] == 12
+    for recovery in summary["recoveries"]:
+        assert recovery["teardown_s"] <= 2.0, recovery
+        assert recovery["healed"] in ("peer", "checkpoint"), recovery
+        if recovery["healed"] == "peer":
+            assert recovery["steps_redone"] == 0 and recovery["resume_step"] == recovery["failed_step"] - 1
+    return summary
+
+
+def test_kill_at_the_start_of_an_evaluation_is_healed(tmp_path, reference_dir):
+    """Rank 1 dies as the evaluation after step 6 begins: every other rank has taken step 6,
+    so the run heals forward to it (the driver never had step 6's results: they come from a
+    rank that took it). Step 6's held-out loss is lost with the evaluation; the others match."""
+    run_dir = tmp_path / "run"
+    summary = rayhybrid.train([*TOPOLOGY, "fault.inject=[kill_eval@6:1]"], run_dir=run_dir)
+    assert summary["status"] == "completed"
+    (recovery,) = summary["recoveries"]
+    assert (recovery["healed"], recovery["steps_redone"], recovery["resume_step"]) == ("peer", 0, 6)
+    assert recovery["teardown_s"] <= 2.0 and recovery["replaced_ranks"] == [1]
+    assert losses(run_dir) == losses(reference_dir)  # bitwise; every step once, 6 included
+    expected = val_losses(reference_dir)
+    assert val_losses(run_dir) == {step: loss for step, loss in expected.items() if step != 6}
+
+
+def test_two_ranks_of_different_replicas_are_healed_from_each_other(tmp_path, reference_dir):
+    """Ranks 1 (dp0, tp1) and 2 (dp1, tp0) SIGKILLed together: rank 3 sends tp1, rank 0 tp0."""
+    run_dir = tmp_path / "run"
+    thread, result = in_background(TOPOLOGY, run_dir)
+    when_step(run_dir, 4)
+    signal_rank(run_dir, 1, signal.SIGKILL)
+    signal_rank(run_dir, 2, signal.SIGKILL)
+    summary = finished(result, thread)
+    (recovery,) = summary["recoveries"]
+    assert recovery["replaced_ranks"] == [1, 2] and recovery["healed"] == "peer"
+    assert recovery["bytes_sent"] > 0
+    (heal,) = events(run_dir, "heal")
+    assert heal["ranks"] == [1, 2]
+    assert losses(run_dir) == losses(reference_dir)
+
+
+def test_both_copies_of_a_shard_lost_falls_back_to_the_checkpoint(tmp_path, reference_dir):
+    """Ranks 1 and 3 hold the only two copies of shard tp1: the run restores the latest
+    checkpoint and says how many completed steps it trains again."""
+    run_dir = tmp_path / "run"
+    thread, result = in_background(TOPOLOGY, run_dir)
+    when_step(run_dir, 5)
+    signal_rank(run_dir, 1, signal.SIGKILL)
+    signal_rank(run_dir, 3, signal.SIGKILL)
+    summary = finished(result, thread)
+    (recovery,) = summary["recoveries"]
+    assert recovery["healed"] == "checkpoint" and recovery["resume_step"] == 3
+    assert recovery["steps_redone"] == recovery["failed_step"] - 1 - 3 >= 2
+    assert not events(run_dir, "heal") and [e["step"] for e in events(run_dir, "resume")][-1] == 3
+    assert losses(run_dir) == losses(reference_dir)
+
+
+def test_kill_during_the_heal_recovers_again(tmp_path, reference_dir):
+    """Rank 1 dies at step 5 (fault.inject); as the driver starts healing its replacement,
+    rank 2 is SIGKILLed from outside. The heal fails, the group recovers again (from rank 0's
+    copy of tp0, or from the checkpoint if the first heal had not reached rank 1), and the run
+    ends exact."""
+    run_dir = tmp_path / "run"
+    healing = Logged("healing 1 rank(s)")
+    logging.getLogger("rayhybrid").addHandler(healing)
+    try:
+        thread, result = in_background([*TOPOLOGY, "fault.inject=[kill@5:1]"], run_dir)
+        assert healing.seen.wait(300), "no heal began"
+        signal_rank(run_dir, 2, signal.SIGKILL)
+        summary = finished(result, thread)
+    finally:
+        logging.getLogger("rayhybrid").removeHandler(healing)
+    assert summary["restarts"] == 2
+    first, second = summary["recoveries"]
+    assert first["failed_step"] == 5 and 2 in second["replaced_ranks"]
+    assert losses(run_dir) == losses(reference_dir)
+
+
+def test_failures_back_to_back_are_each_healed(tmp_path, reference_dir):
+    """Rank 1 dies at step 5 and rank 2 at step 6, the first step after the recovery."""
+    run_dir = tmp_path / "run"
+    summary = rayhybrid.train([*TOPOLOGY, "fault.inject=[kill@5:1,kill@6:2]"], run_dir=run_dir)
+    assert summary["status"] == "completed" and summary["restarts"] == 2
+    for recovery, rank in zip(summary["recoveries"], (1, 2)):
+        assert recovery["replaced_ranks"] == [rank]
+        assert (recovery["healed"], recovery["steps_redone"]) == ("peer", 0)
+        assert recovery["teardown_s"] <= 2.0
+    assert losses(run_dir) == losses(reference_dir)
