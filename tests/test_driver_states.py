@@ -363,3 +363,20 @@ def test_a_first_start_whose_restore_fails_stops_its_group(tmp_path, monkeypatch
     with pytest.raises(OSError, match="disk full"):
         ctrl.on_starting(Starting(RunState()))
     assert stopped == [False]
+
+
+def test_a_final_checkpoint_that_a_heal_abandoned_is_saved_again(tmp_path):
+    """A rank died in the final save; the run healed to the last step, but that save was
+    abandoned with the failure: the run saves it again before it counts as finished. A run
+    that resumed at its last step saves nothing (its checkpoint is the one it resumed from)."""
+    ctrl = controller(tmp_path, "checkpoint.every=4")
+    group = FakeGroup()
+    path = str(tmp_path / "checkpoints" / "step_00000010")
+    group.saves = [{"path": path, "step": 10, "async": True, "blocked_s": 0.01}]
+    group.finished = [[{"path": path, "step": 10, "async": True, "blocked_s": 0.01, "upload_s": 0.1}]]
+    state = ctrl.on_training(Training(RunState(group=group, slots=(0,), step=10, committed=8, first_restore=0)))
+    assert isinstance(state, Finished) and state.run.committed == 10
+    assert [c[0] for c in group.calls] == ["save", "finished_saves"]
+    resumed = FakeGroup()
+    state = ctrl.on_training(Training(RunState(group=resumed, slots=(0,), step=10, first_restore=10)))
+    assert isinstance(state, Finished) and not resumed.calls

@@ -284,11 +284,12 @@ class Controller:
         return Stopped(run, f"stopped by {self.stop_requested} after step {run.step}; {kept}")
 
     def _finish(self, run: RunState) -> Finished | Recovering | Failed:
-        """The last step is trained: the final checkpoint's upload must be committed before the
-        run counts as done. If it failed, the state is still in memory: save it once more."""
+        """The last step is trained: its checkpoint must be committed before the run is done. If
+        its save failed, or a heal abandoned it, the state is in memory: save it once more."""
         try:
             run, done = self.ledger.wait(run)
-            if done is not None and "error" in done:
+            lost = done is None and self.cfg.checkpoint.enabled and run.step not in (run.committed, run.first_restore)
+            if lost or done is not None and "error" in done:
                 run = self.ledger.save(run, run.step, None)
                 run, done = self.ledger.wait(run)
         except WorkerError as err:
