@@ -185,6 +185,7 @@ class WorkerGroup:
             gpus_by_node[info.node_id].extend(info.gpu_ids)
         master_port = self._get([workers[0].free_port.remote()], timeout, "start")[0]
         master_addr = self.infos[0].ip
+        log.debug("%d workers joining a process group at %s:%d", len(workers), master_addr, master_port)
         calls = [
             w.setup.remote(
                 master_addr,

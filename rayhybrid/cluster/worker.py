@@ -61,6 +61,10 @@ class TrainWorker:
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
     def info(self) -> WorkerInfo:
+        """Where this worker runs. The first call also imports the trainer, so that the ranks
+        reach the rendezvous of `setup` together (a new worker would be seconds behind)."""
+        import rayhybrid.trainer.loop  # noqa: F401
+
         ctx = ray.get_runtime_context()
         return WorkerInfo(
             rank=self.rank,
@@ -101,7 +105,7 @@ class TrainWorker:
     def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...]) -> dict:
         import torch
 
-        from rayhybrid.parallel.mesh import init_process_group
+        from rayhybrid.parallel.mesh import COLLECTIVE_TIMEOUT_S, JOIN_TIMEOUT_S, init_process_group, joining
         from rayhybrid.trainer.loop import Trainer
 
         torch.set_num_threads(self.cfg.cluster.torch_threads)
@@ -116,14 +120,18 @@ class TrainWorker:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        init_process_group(
-            rank=self.rank,
-            world_size=self.world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-            device=device,
-        )
-        self.trainer = Trainer(self.cfg, rank=self.rank, device=device)
+        # A short timeout while the groups form: a rank that dies meanwhile leaves the others
+        # blocked in a rendezvous, which nothing else wakes (rayhybrid/parallel/mesh.py).
+        with joining(COLLECTIVE_TIMEOUT_S):
+            init_process_group(
+                rank=self.rank,
+                world_size=self.world_size,
+                master_addr=master_addr,
+                master_port=master_port,
+                device=device,
+                timeout_s=JOIN_TIMEOUT_S,
+            )
+            self.trainer = Trainer(self.cfg, rank=self.rank, device=device)
         return self.trainer.describe()
 
     def save(self, root: str, keep: int, inject: str | None = None) -> dict:

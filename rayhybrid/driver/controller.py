@@ -216,9 +216,7 @@ class Controller:
             run = self.ledger.save(run, step, inject)
         except WorkerError as err:
             return self._failed(run, err, step + 1, inject)
-        if step >= self.cfg.train.steps:
-            return Training(run)
-        return self._grow(run, last_step_at)
+        return Training(run) if step >= self.cfg.train.steps else self._grow(run, last_step_at)
 
     def _grow(self, run: RunState, last_step_at: float) -> Training | Resizing | Recovering:
         """At a checkpoint boundary: grow when more replicas are placed than in use. A resize
@@ -313,6 +311,7 @@ class Controller:
         try:
             return Training(*self._restore(run, intr, heal))
         except WorkerError as err:
+            self.log.interrupted(intr, err)
             return self._failed(run, err, run.step + 1, None)
 
     def _restore(self, run: RunState, intr, heal: bool = False) -> tuple[RunState, Interruption | None]:

@@ -139,6 +139,11 @@ class RunLog:
             intr.cause,
         )
 
+    def interrupted(self, intr: Interruption, err: Exception) -> None:
+        """A restart or resize that failed before its first step: its record, with why."""
+        record = intr.restart_record() if intr.kind == "restart" else intr.resize_record()
+        self.event(record | {"interrupted": str(err), "total_s": round(time.perf_counter() - intr.since, 3)})
+
     def interruption(self, intr: Interruption) -> None:
         """A restart or resize whose first step is done: its records."""
         if intr.kind == "restart":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import torch
@@ -16,8 +17,18 @@ def select_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+COLLECTIVE_TIMEOUT_S = 300.0
+"""The default group's timeout for its collectives."""
+
+
 def init_process_group(
-    *, rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device, timeout_s: float = 300
+    *,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
 ) -> None:
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
@@ -28,6 +39,39 @@ def init_process_group(
         timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
+
+
+JOIN_TIMEOUT_S = 20.0
+"""How long a rank waits for the others while the process groups are formed. They start
+together (the driver calls every rank's setup at once, imports done), so the rendezvous takes
+seconds, and a rendezvous that cannot complete ends after this long instead of a collective's
+timeout (minutes). It does not make a rank lost during a join cheap: gloo's connection retries
+to a dead peer outlast it, and the drain replaces ranks still blocked after 30 s."""
+
+
+@contextlib.contextmanager
+def joining(collective_s: float, timeout_s: float = JOIN_TIMEOUT_S):
+    """Form process groups under a short timeout: the default group's rendezvous (pass
+    `timeout_s` to `init_process_group`) and every group made meanwhile (a device mesh's, a
+    `new_group`'s). On leaving, every group gets the timeout it would have had (`collective_s`
+    for the default group, torch's default for the others): the short one is for forming a
+    group, never for its collectives."""
+    from torch.distributed import distributed_c10d as c10d
+
+    defaults = c10d.default_pg_timeout, c10d.default_pg_nccl_timeout
+    short = timedelta(seconds=timeout_s)
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = short
+    try:
+        yield
+    finally:
+        c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = defaults
+    if not dist.is_initialized():
+        return
+    for group in list(c10d._world.pg_map):
+        if group is c10d.GroupMember.WORLD:
+            c10d._set_pg_timeout(timedelta(seconds=collective_s), group)
+        else:
+            c10d._set_pg_timeout(c10d._get_default_timeout(dist.get_backend(group)), group)
 
 
 def build_mesh(dp: int, pp: int, tp: int, device: torch.device) -> DeviceMesh:
