@@ -43,8 +43,10 @@ class Drained:
     broken: frozenset[int]
     nodes_lost: frozenset[str]
     """Nodes of dead workers that the cluster has declared dead."""
-    ping_s: float = 0.0
-    """After a hang: the seconds spent finding the hung workers (part of detecting the failure)."""
+    found_s: float = 0.0
+    """Seconds spent finding what failed, which is detection, not teardown: pinging the workers
+    of a call that made no progress, and waiting for Ray's verdict on the nodes of workers that
+    cannot be reached (its health checks)."""
 
 
 def drain(group) -> Drained:
@@ -58,7 +60,7 @@ def drain(group) -> Drained:
     workers = group.workers
     start = time.perf_counter()
     hung = unresponsive(group) if group._hung else set()
-    ping_s = time.perf_counter() - start
+    found_s = time.perf_counter() - start
     sigkill([group.infos[rank] for rank in hung])  # their connections close: blocked peers fail
     group._stop([workers[rank] for rank in hung])
     dead = set(hung)
@@ -83,7 +85,9 @@ def drain(group) -> Drained:
     # The nodes of the workers gone: one that lost power looks alive for a while yet, and
     # its placement groups placed; a worker started there again would never start.
     suspects = {group.infos[rank].node_id for rank in dead}
+    start = time.perf_counter()
     nodes_lost = wait_for_node_verdicts(suspects, group.cfg.cluster.placement_timeout_s)
+    found_s += time.perf_counter() - start
     nodes_lost |= {group.infos[rank].node_id for rank in dead} & dead_nodes()
     for rank in dead:
         slot = group.active[topo.coord(rank).dp]
@@ -96,7 +100,7 @@ def drain(group) -> Drained:
         f"; {len(nodes_lost)} node(s) lost" if nodes_lost else "",
     )
     broken = frozenset(group.active[topo.coord(rank).dp] for rank in dead)
-    return Drained(frozenset(dead), broken, frozenset(nodes_lost), ping_s)
+    return Drained(frozenset(dead), broken, frozenset(nodes_lost), found_s)
 
 
 def unresponsive(group) -> set[int]:

@@ -193,7 +193,7 @@ class Controller:
         log.warning("restart %d/%d: replacing the failed workers", intr.restart, self.cfg.fault.max_restarts)
         if run.group is None:  # the start failed: start again
             return Starting(run, intr)
-        found_s = drained.ping_s if drained else 0.0  # finding a hung worker is detection
+        found_s = drained.found_s if drained else 0.0  # finding what failed is detection
         intr = intr.but(detect_s=intr.detect_s + found_s, teardown_s=time.perf_counter() - mark - found_s)
         return self._replace(run, intr, drained)
 
