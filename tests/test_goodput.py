@@ -258,6 +258,25 @@ def test_from_run_turns_the_runs_medians_into_scaled_costs(tmp_path):
     assert slow.replace_s == pytest.approx(recovery - 6.0 * per_rank + 80.0) and slow.save_s == pytest.approx(80.0)
 
 
+def test_from_run_measures_a_peer_heal_apart_from_a_checkpoint_restore(tmp_path):
+    """Two restarts restored the checkpoint, one healed from peers (its transfer 0.5 s, 1 MB
+    per rank in the run): replace_s comes from the first two alone, heal_s from the heal, its
+    transfer scaled per rank like a restore but never held to the storage floor."""
+    restored = [
+        {"healed": "checkpoint", "detect_s": 2.0, "teardown_s": 0.5, "place_s": 4.0, "init_s": 5.0}
+        | {"restore_s": 6.0, "first_step_s": 2.5},
+    ] * 2
+    heal = {"healed": "peer", "detect_s": 2.0, "teardown_s": 0.1, "place_s": 0.0, "init_s": 3.0}
+    heal |= {"restore_s": 0.5, "first_step_s": 0.6}
+    argv = ["gpus=1024", f"from_run={fake_run(tmp_path, [*restored, heal])}", "costs.checkpoint_gb=8"]
+    argv.append("costs.storage_gbps=0.1")
+    cfg, measured = apply_run(compose_goodput(argv), given(argv))
+    per_rank, growth = 8e9 / 1024 / 1e6, 10 / 3
+    assert cfg.costs.replace_s == pytest.approx(0.5 + 4.0 + 5.0 * growth + 80.0 + (2.5 - 0.6))
+    assert cfg.costs.heal_s == pytest.approx(0.1 + 3.0 * growth + 0.5 * per_rank)
+    assert measured["records"]["healed"] == 1 and measured["heal_medians"]["restore_s"] == 0.5
+
+
 def test_from_run_keeps_costs_given_on_the_command_line(tmp_path):
     argv = ["gpus=1024", f"from_run={fake_run(tmp_path)}", "costs.detect_s=11", "costs.restart_s=900"]
     cfg, measured = apply_run(compose_goodput(argv), given(argv))

@@ -13,6 +13,11 @@ the simulated job:
                 + max(restore_s x B / b, bytes / storage)  per-rank bandwidth kept (assumed)
                 + max(0, first_step_s - step_time_s)     the first step's warm-up
     restart_s = replace_s                                rayhybrid measures only its own recovery
+    heal_s    = the same, from the restarts healed from peers, their transfer scaled like a
+                restore but with no storage floor (network, per rank)
+
+replace_s comes from the restarts that restored a checkpoint (all of them, for a run without
+that record field or without such a restart); heal_s keeps its setting when no restart healed.
     save_s    = blocked_s x B / b                        (a synchronous save: at least bytes / storage)
     step_s    = step_time_s                              same work per replica (assumed)
 
@@ -89,7 +94,10 @@ def apply_run(cfg: GoodputConfig, given: set[str]) -> tuple[GoodputConfig, dict]
         raise fail(f"{run_dir / 'metrics.jsonl'} has no restart records")
     last = steps[-1] if steps else {}
     ranks = int(last.get("dp", 1)) * int(last.get("pp", 1)) * int(last.get("tp", 1))
-    m = {key: median(restarts, key) for key in MEASURED}
+    healed = [r for r in restarts if r.get("healed") == "peer"]
+    restored = [r for r in restarts if r.get("healed") != "peer"] or restarts
+    m = {key: median(restored, key) for key in MEASURED}
+    h = {key: median(healed, key) for key in MEASURED}
     m["step_time_s"] = median(steps, "step_time_s")
     m["blocked_s"], m["upload_s"] = median(saves, "blocked_s"), median(saves, "upload_s")
 
@@ -99,24 +107,32 @@ def apply_run(cfg: GoodputConfig, given: set[str]) -> tuple[GoodputConfig, dict]
     per_rank = (sim_bytes / gpus) / (run_bytes / ranks) if run_bytes else 1.0
     floor = sim_bytes / (cfg.costs.storage_gbps * 1e9) if cfg.costs.storage_gbps and sim_bytes else 0.0
     growth = math.log2(max(gpus, 2)) / math.log2(max(ranks, 2))
-    restore = max(m["restore_s"] * per_rank, floor)
     sync = not any(r.get("async") for r in saves)
-    recovery = (
-        m["teardown_s"] + m["place_s"] + m["init_s"] * growth + restore + max(0.0, m["first_step_s"] - m["step_time_s"])
-    )
+
+    def recovery(p: dict, transfer: float) -> float:
+        return (
+            p["teardown_s"]
+            + p["place_s"]
+            + p["init_s"] * growth
+            + transfer
+            + max(0.0, p["first_step_s"] - m["step_time_s"])
+        )
+
     costs = {
+        **({"heal_s": recovery(h, h["restore_s"] * per_rank)} if healed else {}),
         "detect_s": m["detect_s"],
-        "replace_s": recovery,
-        "restart_s": recovery,
+        "replace_s": recovery(m, max(m["restore_s"] * per_rank, floor)),
+        "restart_s": recovery(m, max(m["restore_s"] * per_rank, floor)),
         "save_s": max(m["blocked_s"] * per_rank, floor if sync else 0.0) if saves else cfg.costs.save_s,
         "step_s": m["step_time_s"] or cfg.costs.step_s,
     }
     kept = {k: v for k, v in costs.items() if f"costs.{k}" not in given}
     measured = {
         "run_dir": str(run_dir),
-        "records": {"restart": len(restarts), "checkpoint": len(saves), "step": len(steps)},
+        "records": {"restart": len(restarts), "healed": len(healed), "checkpoint": len(saves), "step": len(steps)},
         "ranks": ranks,
         "medians": {k: round(v, 3) for k, v in m.items()},
+        **({"heal_medians": {k: round(v, 3) for k, v in h.items()}} if healed else {}),
         "checkpoint": {"path": found[0] if found else None, "bytes": run_bytes, "simulated_bytes": sim_bytes},
         "scale": {"init_log2_ranks": round(growth, 4), "bytes_per_rank": per_rank, "storage_floor_s": floor},
         "costs": {k: round(v, 3) for k, v in kept.items()},
