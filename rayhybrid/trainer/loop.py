@@ -175,7 +175,7 @@ class Trainer:
         with self.memory.step() if self.memory is not None else contextlib.nullcontext():
             loss = self.forward_backward()
             self._phase(self.stages[0][0], "optimizer")
-            with self.timeline.span("optimizer", "optimizer", stage=self.stages[0][0]):
+            with self.timeline.span("clip grad norm", "comm", stage=self.stages[0][0]):
                 grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
             # Every collective of the step comes before the optimizer step, which is local.
             with self.timeline.span("all_reduce loss", "comm"):
