@@ -9,6 +9,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# No run in the tests probes a real cloud's metadata server for spot notices (cluster.spot_notices):
+# the discard port on loopback, where nothing listens. Tests of the watcher point these at their
+# own fake servers.
+os.environ.setdefault("RAYHYBRID_AWS_METADATA_URL", "http://127.0.0.1:9")
+os.environ.setdefault("RAYHYBRID_GCP_METADATA_URL", "http://127.0.0.1:9")
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (NCCL, CUDA memory); skipped without one")

@@ -346,3 +346,12 @@ def test_bad_settings_are_one_line_errors(make, setting):
         make()
     message = str(err.value)
     assert message.startswith(setting) and "\n" not in message
+
+
+def test_a_bad_poll_interval_is_a_config_error():
+    from rayhybrid.config.compose import compose, to_config
+    from rayhybrid.errors import ConfigError
+    from rayhybrid.preflight import validate
+
+    with pytest.raises(ConfigError, match=r"cluster.spot_poll_s: must be positive, got 0"):
+        validate(to_config(compose(["cluster.spot_poll_s=0"])))

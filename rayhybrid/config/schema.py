@@ -186,6 +186,12 @@ class ClusterConfig:
     """Logical CPUs for a local Ray; 0: enough for the ranks."""
     cpus_per_rank: float = 1.0
     torch_threads: int = 1
+    spot_notices: bool = True
+    """Watch for AWS and GCP spot notices on every node of the run and turn one into Ray's drain
+    with the notice's deadline (rayhybrid/cluster/spot_watch.py); the run then saves and moves
+    off the node. Without a cloud metadata server it starts nothing (one failed probe)."""
+    spot_poll_s: float = 5.0
+    """How often each node's watcher asks the metadata server (AWS suggests every 5 s)."""
 
 
 @dataclass(frozen=True)

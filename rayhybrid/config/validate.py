@@ -20,7 +20,7 @@ def _positive(cfg: Config) -> None:
         "model": ("n_layers", "vocab_size"),
         "data": ("seq_len", "branching"),
         "train": ("steps", "global_batch_size", "micro_batch_size", "log_every"),
-        "cluster": ("cpus_per_rank", "torch_threads", "placement_timeout_s", "connect_timeout_s"),
+        "cluster": ("cpus_per_rank", "torch_threads", "placement_timeout_s", "connect_timeout_s", "spot_poll_s"),
         "fault": ("step_timeout_s",),
         "elastic": ("min_dp", "reschedule_timeout_s"),
         "eval": ("batches",),

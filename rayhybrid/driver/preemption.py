@@ -4,12 +4,15 @@ them once the step the run is at is checkpointed (the controller saves it first)
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
 
 from rayhybrid.cluster.group import not_placed_again
 from rayhybrid.cluster.placement import draining_nodes
+from rayhybrid.cluster.spot import detect_cloud
+from rayhybrid.cluster.spot_watch import start_watchers
 from rayhybrid.driver.records import Interruption
 from rayhybrid.driver.state import Failed, Resizing, RunState
 from rayhybrid.errors import RunFailed
@@ -24,6 +27,10 @@ class DrainWatch:
         self.cfg, self.scaling, self.ledger = cfg, scaling, ledger
         self.poll_s = poll_s
         self.next_poll = 0.0  # the rate limit's own memory, not the run's state
+        # cluster.spot_notices: a watcher per node of the run, when this node sees a cloud
+        # (probed in the background: a run without one never waits for the probe).
+        self.cloud = _in_background(detect_cloud) if cfg.cluster.spot_notices else None
+        self.watched: dict[str, object] = {}  # node id -> its watcher actor
 
     def notice(self, group, slots, evacuated: frozenset[str]) -> dict[str, float]:
         """Nodes of the replicas in `slots` being drained and not moved off yet: node id ->
@@ -32,6 +39,11 @@ class DrainWatch:
         if now < self.next_poll:
             return {}
         self.next_poll = now + self.poll_s
+        if self.cloud is not None and self.cloud.done() and self.cloud.result():
+            new = [n for n in group.nodes_of(list(slots)) if n not in self.watched]
+            if new:  # nodes the run uses now that no watcher has seen yet
+                self.watched.update(start_watchers(new, self.cfg.cluster.spot_poll_s))
+                log.info("watching %d more node(s) for %s spot notices", len(new), self.cloud.result())
         draining = draining_nodes()
         if not draining:
             return {}
@@ -78,6 +90,13 @@ class DrainWatch:
         place_s, cause = time.perf_counter() - mark, f"node {node[:8]} preempted"
         intr = Interruption("preempt", cause, run.step, run.dp, save_s=mark - since, since=since, place_s=place_s)
         return Resizing(run, tuple(slots), intr)
+
+
+def _in_background(fn) -> concurrent.futures.Future:
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spot-probe")
+    future = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return future
 
 
 def slots_on(group, slots, nodes) -> list[int]:

@@ -1,0 +1,65 @@
+"""Cloud spot notices into Ray's drain: one `SpotWatcher` (rayhybrid/cluster/spot.py) per node of
+the run, each in a small Ray actor pinned to its node, which on the cloud's notice asks Ray to
+drain its own node with the notice's deadline and the reason preemption. From there the run's
+drain watch (rayhybrid/driver/preemption.py) checkpoints the step it is at and moves off the
+node, as for any drain.
+
+Why an actor per node, started by the run: the notice is only readable on the node itself (the
+metadata server is link-local), the actor needs no setup in the cluster's YAML, it goes with the
+run, and nodes an autoscaler adds later get theirs when the run first uses them. The driver
+starts them only when its own node sees a metadata server, so a run without a cloud costs one
+failed probe and no process.
+
+    watchers = start_watchers(node_ids, interval_s=5.0)   # node id -> actor, not waited for
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rayhybrid.cluster.spot import Notice, SpotWatcher
+
+log = logging.getLogger("rayhybrid")
+
+PREEMPTION = 2
+"""`autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION`."""
+
+
+class NodeSpotWatch:
+    """The watcher of one node. `start()` says which cloud it found; with none, the actor ends."""
+
+    def __init__(self, gcs_address: str, node_id: str, interval_s: float) -> None:
+        self.gcs_address, self.node_id = gcs_address, node_id
+        self.watcher = SpotWatcher(self._drain, interval_s=interval_s)
+
+    def start(self) -> str | None:
+        if self.watcher.start():
+            return self.watcher.cloud
+        ray.actor.exit_actor()  # nothing to watch here: no process left behind
+        return None
+
+    def _drain(self, notice: Notice) -> None:
+        from ray._raylet import GcsClient
+
+        message = f"{notice.cloud} spot notice: {notice.detail}"
+        deadline_ms = int(notice.deadline_s * 1000)
+        accepted, why = GcsClient(address=self.gcs_address).drain_node(self.node_id, PREEMPTION, message, deadline_ms)
+        if not accepted:
+            log.warning("node %s: Ray refused to drain it after a spot notice: %s", self.node_id[:8], why)
+
+
+def start_watchers(nodes, interval_s: float = 5.0) -> dict[str, object]:
+    """Start a watcher on each of `nodes` (node ids), without waiting: node id -> its actor
+    (keep the handles: an actor goes when its last handle does). One that finds no cloud ends
+    on its own."""
+    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(NodeSpotWatch)
+    gcs = ray.get_runtime_context().gcs_address
+    watchers = {}
+    for node in nodes:
+        strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+        watchers[node] = actor_cls.options(scheduling_strategy=strategy).remote(gcs, node, interval_s)
+        watchers[node].start.remote()
+    return watchers
