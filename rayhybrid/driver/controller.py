@@ -4,11 +4,13 @@
 
 The states and the run state they carry are in `rayhybrid.driver.state`. Each handler takes a
 state and returns the next; the rules live in pure policies (`rayhybrid.driver.policies`): the
-failure policy says restart or give up, the scaling policy which replica slots to train on.
+failure policy says restart or give up, the scaling policy which replica slots to train on,
+the heal policy whether a recovery heals from the survivors' state or restores a checkpoint.
 What stays on the Controller are its collaborators, built once when the run opens: the
 policies, the fault plan, the run log (`rayhybrid.driver.runlog`, the one writer of the run's
-files), the checkpoint ledger (`rayhybrid.driver.checkpoints`) and the drain watch. The one
-attribute a run changes is `stop_requested`, which the SIGTERM handler sets.
+files), the checkpoint ledger (`rayhybrid.driver.checkpoints`), the healing
+(`rayhybrid.driver.healing`) and the drain watch. The one attribute a run changes is
+`stop_requested`, which the SIGTERM handler sets.
 """
 
 from __future__ import annotations
