@@ -48,7 +48,8 @@ class FakeGroup:
         def worker(rank):
             def heal(src, receivers):
                 self.calls.append(("heal", rank, src, receivers))
-                return {"step": 0, "bytes": 100 * len(receivers), "s": 0.01}
+                moved = 100 if src is not None else 100 * len(receivers)  # a receiver: what it got
+                return {"step": 0, "bytes": moved, "s": 0.01}
 
             return types.SimpleNamespace(
                 held=types.SimpleNamespace(remote=lambda: self.kept[rank]),
@@ -244,6 +245,7 @@ def test_a_step_only_some_survivors_took_is_healed_forward_and_recorded(tmp_path
     assert state.run.step == 7
     receivers = {c[1]: c[2] for c in group.calls if c[0] == "heal" and c[2] is not None}
     assert receivers == {2: 0, 3: 1}
+    assert state.pending.bytes_sent == 200  # what ranks 0 and 1 sent; rank 2 kept a step, but received
     assert [m["step"] for m in ctrl.log.history] == [7]
     assert state.pending.steps_redone == 0
 

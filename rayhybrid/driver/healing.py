@@ -44,9 +44,10 @@ class Healing:
             log.info("healing from peers is not possible (%s): restoring the checkpoint", why)
             return None
         log.info("healing %d rank(s) from their data-parallel peers at step %d", plan.transfers, plan.step)
+        sources = _by_rank(topo, plan)
         mark = time.perf_counter()
-        done = heal(group, _by_rank(topo, plan))
-        sent = sum(r["bytes"] for r, k in zip(done, kept) if k is not None)
+        done = heal(group, sources)
+        sent = sum(r["bytes"] for rank, r in enumerate(done) if rank not in sources)  # what the senders sent
         took = time.perf_counter() - mark
         log.info("healed: %.1f MB sent in %.2fs", sent / 1e6, took)
         finished = []
@@ -57,7 +58,7 @@ class Healing:
         intr = intr.but(
             healed="peer", steps_redone=0, bytes_sent=sent, restore_s=intr.restore_s + took, resume_step=plan.step
         )
-        self.log.event({"event": "heal", "step": plan.step, "ranks": sorted(_by_rank(topo, plan)), "bytes": sent})
+        self.log.event({"event": "heal", "step": plan.step, "ranks": sorted(sources), "bytes": sent})
         return run.but(step=plan.step, uploading=False), intr, finished
 
 

@@ -39,15 +39,17 @@ class DrainWatch:
         if now < self.next_poll:
             return {}
         self.next_poll = now + self.poll_s
+        nodes = None  # the run's nodes, asked of Ray only when needed, at most once a poll
         if self.cloud is not None and self.cloud.done() and self.cloud.result():
-            new = [n for n in group.nodes_of(list(slots)) if n not in self.watched]
+            nodes = group.nodes_of(list(slots))
+            new = [n for n in nodes if n not in self.watched]
             if new:  # nodes the run uses now that no watcher has seen yet
                 self.watched.update(start_watchers(new, self.cfg.cluster.spot_poll_s))
                 log.info("watching %d more node(s) for %s spot notices", len(new), self.cloud.result())
         draining = draining_nodes()
         if not draining:
             return {}
-        ours = set(group.nodes_of(list(slots))) - evacuated
+        ours = set(nodes if nodes is not None else group.nodes_of(list(slots))) - evacuated
         return {n: (d / 1000 - time.time() if d else math.inf) for n, d in draining.items() if n in ours}
 
     @staticmethod

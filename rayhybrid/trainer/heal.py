@@ -18,7 +18,6 @@ names, which both sides list from the same model.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +26,6 @@ from torch.distributed.tensor import DTensor
 
 from rayhybrid.data.streams import replica_shard
 from rayhybrid.trainer.checkpoint import apply, state_dict
-
-log = logging.getLogger(__name__)
 
 
 def heal_enabled(cfg) -> bool:
@@ -108,7 +105,7 @@ def send(trainer, receivers: list[int]) -> int:
     """Send this rank's state (restored, or trained) to each of `receivers` (ranks of the new
     world with this rank's pp and tp); returns the bytes sent."""
     group, device = trainer.world_group, trainer.device
-    tensors = [t.to(device).contiguous() for t in _payload(trainer)]
+    tensors = [t.to(device).contiguous() for t in _payload(trainer, _local_tensors(trainer))]
     sent = 0
     for dst in receivers:
         works = [dist.isend(t, dst=dst, group=group, tag=i) for i, t in enumerate(tensors)]
@@ -124,8 +121,7 @@ def receive(trainer, src: int) -> int:
     trainer.settled = False
     group, device = trainer.world_group, trainer.device
     state, keys = state_dict(trainer)
-    locals_ = _locals_of(state)
-    targets = [*(locals_[key] for key in sorted(locals_)), torch.get_rng_state(), _position(trainer)]
+    targets = _payload(trainer, _locals_of(state))
     buffers = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets]
     works = [dist.irecv(b, src=src, group=group, tag=i) for i, b in enumerate(buffers)]
     for work in works:
@@ -140,9 +136,9 @@ def receive(trainer, src: int) -> int:
     return sum(b.nbytes for b in buffers)
 
 
-def _payload(trainer) -> list[torch.Tensor]:
-    """What `send` sends, in `receive`'s order: the shards by name, the RNG, the position."""
-    locals_ = _local_tensors(trainer)
+def _payload(trainer, locals_: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """What `send` sends and `receive` fills, in one order: the shards by name, the RNG, the
+    position."""
     return [*(locals_[key] for key in sorted(locals_)), torch.get_rng_state(), _position(trainer)]
 
 
