@@ -390,16 +390,22 @@ def shared_parameters(trainer) -> list[tuple[str, str]]:
     return pairs
 
 
-def train_save_resume(rank: int, fresh: dict, source: str, root: str, before: int, after: int, resume: dict) -> dict:
+def train_save_resume(
+    rank: int, fresh: dict, source: str, root: str, before: int, after: int, resume: dict, tensors: tuple = ()
+) -> dict:
     """Each labelled config of `fresh` trains `before + after` steps from scratch (the one
     labelled `source` saves a checkpoint into `root` after `before` steps); then each config of
     `resume` is restored from that checkpoint and trains `after` steps. All configs need the
     same world size. {"fresh": {label: every step's metrics}, "path": the checkpoint,
-    "resumed": {label: {"start", "losses", "consumed", "shared" (see shared_parameters)}}}."""
+    "resumed": {label: {"start", "losses", "consumed", "shared" (see shared_parameters)}},
+    "tensors": {label: {name: full tensor}} of the parameters named in `tensors` this rank
+    holds at the end of each fresh run, per stage: [(stage index, name, tensor)]}."""
+    from torch.distributed.tensor import DTensor
+
     from rayhybrid.storage import checkpoints as checkpoint_store
     from rayhybrid.trainer.loop import Trainer
 
-    out: dict = {"fresh": {}, "resumed": {}}
+    out: dict = {"fresh": {}, "resumed": {}, "tensors": {}}
     for label, cfg in fresh.items():
         try:
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
@@ -413,12 +419,19 @@ def train_save_resume(rank: int, fresh: dict, source: str, root: str, before: in
                 out["path"] = saved["path"]
                 tr.close_checkpoints()
             out["fresh"][label] = metrics
+            # Every rank of a stage asks for the same tensors in the same order (DTensor gathers).
+            out["tensors"][label] = [
+                (index, name, (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone())
+                for index, module in tr.stages
+                for name, p in module.named_parameters()
+                if name in tensors
+            ]
         except Exception as exc:
             raise RuntimeError(f"config {label!r} failed on rank {rank}") from exc
         del tr
     # Rank 0 commits once every rank's upload is done: the others wait for that before they look.
     torch.distributed.barrier()
-    ckpt = checkpoint_store.latest(root)
+    ckpt = checkpoint_store.latest(root) if resume else None
     for label, cfg in resume.items():
         try:
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))

@@ -278,6 +278,8 @@ def test_first_loss_matches_transformers(hf_dirs, trained):
             "tp2_tied": ("tied", ("+topology=tp2", "topology.loss_parallel=true")),
             "dp2_tied": ("tied", ("+topology=dp2",)),
             "dp2_fsdp_tied": ("tied", ("+topology=dp2", "topology.dp_shard=true")),
+            # Tied across stages: the last stage's copy of the embedding is read from it.
+            "pp2_tied": ("tied", ("+topology=pp2",)),
             # A tied checkpoint trained untied (pipelines need it): the output starts as a copy.
             "pp2_untied_from_tied": ("tied", ("+topology=pp2", "model.tie_embeddings=false")),
         },

@@ -60,9 +60,12 @@ def test_presets_have_the_published_parameter_counts(preset):
     plan = build_plan(cfg)
     assert plan["parameters"]["total"] == est.num_params(m, 2048) == num_params(m) == total
     assert sum(st["params"] for st in plan["parameters"]["stages"]) == total  # one stage: tied counted once
-    if not tied:  # a pipeline splits them without loss or double count
-        split = build_plan(load_config([f"model={preset}", "data.seq_len=2048", "topology.pp=4"]))
-        assert sum(st["params"] for st in split["parameters"]["stages"]) == total
+    # A pipeline splits them without loss or double count; a tied output's last stage holds its
+    # own copy of the embedding (rayhybrid/parallel/tied.py), which the plan counts there.
+    split = build_plan(load_config([f"model={preset}", "data.seq_len=2048", "topology.pp=4"]))
+    stages = split["parameters"]["stages"]
+    assert sum(st["params"] for st in stages) == total + (v * d if tied else 0)
+    assert stages[-1]["params"] - stages[-2]["params"] >= (v * d if tied else 0)
 
 
 def test_the_plan_cli_counts_the_8b_without_importing_torch(tmp_path):
@@ -193,10 +196,12 @@ CASES = [
     ("pp2 zbv", ["topology.pp=2", "topology.schedule=zbv", "topology.stages_per_rank=2"], 0.05),
 ]
 # A tied output (Llama 3.2 1B and 3B): one tensor for the embedding and the output, on one tp
-# rank and under tp (one DTensor).
+# rank and under tp (one DTensor); a copy on the last stage under pp.
 TIED = [
     ("dp1 tied", ["model.tie_embeddings=true"], EXACT),
     ("tp2 tied", ["+topology=tp2", "model.tie_embeddings=true"], EXACT),
+    # Across stages: the last stage's copy of the embedding, its gradient and Adam state.
+    ("pp2 tied", ["+topology=pp2", "model.tie_embeddings=true"], EXACT),
 ]
 FORWARD = ("dp1", "dp1 bf16", "dp1 b1 s32", "tp2", "tp2 bf16")
 

@@ -42,18 +42,45 @@ def shared_parameters(module: nn.Module) -> list[tuple[str, str]]:
     return tied
 
 
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """{name: the name it is stored under} for every parameter of a stage that is another's:
+    the same tensor held twice (`shared_parameters`) or a copy kept on another pipeline stage
+    (the stage's `tied_copies()`, see rayhybrid/parallel/tied.py). Checkpoints and Hugging Face
+    imports read and write such a parameter once, under the other name."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return dict(shared_parameters(module)) | {
+        name: source for name, source in tied_copies(module).items() if name in params
+    }
+
+
+def tied_copies(module: nn.Module) -> dict[str, str]:
+    """The stage's `tied_copies()` ({a parameter's name: the one it is tied to}; {} without)."""
+    copies = getattr(module, "tied_copies", None)
+    return dict(copies()) if callable(copies) else {}
+
+
 def name_seed(seed: int, name: str) -> int:
     """A stable (process-independent) seed for a parameter: Python's hash() of str is salted."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 @torch.no_grad()
-def init_by_name(module: nn.Module, seed: int, n_layers: int, residual: tuple[str, ...], std: float = 0.02) -> None:
+def init_by_name(
+    module: nn.Module,
+    seed: int,
+    n_layers: int,
+    residual: tuple[str, ...],
+    std: float = 0.02,
+    aliases: dict[str, str] | None = None,
+) -> None:
     """Every parameter from a generator seeded by (seed, its full name), so its value does not
     depend on which stage holds it and every topology starts from the same model: norms at one,
     biases at zero, matrices and embeddings normal(0, std), the residual output projections
-    (names ending in `residual`) scaled by 1/sqrt(2 x n_layers) as in GPT-2."""
-    for name, param in module.named_parameters():
+    (names ending in `residual`) scaled by 1/sqrt(2 x n_layers) as in GPT-2. A parameter named
+    in `aliases` starts as the one it names (a tied copy on another stage)."""
+    aliases = aliases or {}
+    for own, param in module.named_parameters():
+        name = aliases.get(own, own)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):

@@ -9,17 +9,23 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def clip_grad_norm_(
-    params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None,
+    uncounted: list[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Clip to `max_norm` (0 = only measure) and return the global L2 norm of all gradients.
 
     DTensor gradients (TP- or FSDP-sharded) reduce over their own mesh via `full_tensor()`;
     plain gradients are identical on every tp rank and count once. Stages hold disjoint
-    parameters, so squared norms add over the pp group.
+    parameters, so squared norms add over the pp group; `uncounted` (copies of a parameter
+    another stage holds: rayhybrid/parallel/tied.py) are clipped but not counted.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    dtensor = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
+    skip = {id(p.grad) for p in uncounted}
+    counted = [g for g in grads if id(g) not in skip]
+    dtensor = [g for g in counted if isinstance(g, DTensor)]
+    plain = [g for g in counted if not isinstance(g, DTensor)]
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
     by_mesh: dict[object, list[DTensor]] = {}

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from rayhybrid.models.layers import tied_names
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store, one_line
 from rayhybrid.trainer import upload
@@ -89,17 +90,34 @@ def _parts(trainer) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
     return [(module, opt) for (_, module), opt in zip(trainer.stages, trainer.optimizers)]
 
 
-def state_dict(trainer) -> tuple[dict, list[tuple[set, set]]]:
-    """{"model": ..., "optim": ..., "extra": ...} for this rank, and each stage's keys."""
+def state_dict(trainer) -> tuple[dict, list[dict[str, str]]]:
+    """{"model": ..., "optim": ..., "extra": ...} for this rank, and for each stage {its key:
+    the key the checkpoint stores it under}. A tied parameter is stored once, under the name of
+    the one it is tied to: the output of a one-stage tied model is the embedding's own tensor,
+    and a later stage's copy of the embedding (rayhybrid/parallel/tied.py) equals it."""
     model, optim, keys = {}, {}, []
     for module, opt in _parts(trainer):
-        m = get_model_state_dict(module, options=OPTIONS)
-        o = get_optimizer_state_dict(module, opt, options=OPTIONS)
-        model.update(m)
-        optim.update(o)
-        keys.append((set(m), set(o)))
+        tied = tied_names(module)
+        stored = {}
+        for key, value in get_model_state_dict(module, options=OPTIONS).items():
+            stored[key] = tied.get(key, key)
+            model.setdefault(stored[key], value)
+        for key, value in get_optimizer_state_dict(module, opt, options=OPTIONS).items():
+            stored[key] = _optim_key(key, tied)
+            optim.setdefault(stored[key], value)
+        keys.append(stored)
     extra = {"rng": torch.get_rng_state()}
     return {"model": model, "optim": optim, "extra": extra}, keys
+
+
+def _optim_key(key: str, tied: dict[str, str]) -> str:
+    """A flattened optimizer key (state.<name>.exp_avg, param_groups.<name>.lr) under the tied
+    parameter's stored name."""
+    kind, _, rest = key.partition(".")
+    for name, source in tied.items():
+        if rest.startswith(name + "."):
+            return f"{kind}.{source}{rest[len(name) :]}"
+    return key
 
 
 def writer(store: Store, path: str, die_after_write: bool = False):
@@ -275,9 +293,11 @@ def load(trainer, path: str | Path, options: dict | None = None) -> None:
     apply(trainer, state, keys)
 
 
-def apply(trainer, state: dict, keys: list[tuple[set, set]]) -> None:
+def apply(trainer, state: dict, keys: list[dict[str, str]]) -> None:
     """Set the stages, optimizers and RNG from `state` (as `state_dict` made it, filled in)."""
-    for (module, opt), (model_keys, optim_keys) in zip(_parts(trainer), keys):
-        set_model_state_dict(module, {k: state["model"][k] for k in model_keys}, options=OPTIONS)
-        set_optimizer_state_dict(module, opt, {k: state["optim"][k] for k in optim_keys}, options=OPTIONS)
+    for (module, opt), stored in zip(_parts(trainer), keys):
+        model = {k: state["model"][v] for k, v in stored.items() if v in state["model"]}
+        optim = {k: state["optim"][v] for k, v in stored.items() if v in state["optim"]}
+        set_model_state_dict(module, model, options=OPTIONS)
+        set_optimizer_state_dict(module, opt, optim, options=OPTIONS)
     torch.set_rng_state(state["extra"]["rng"])

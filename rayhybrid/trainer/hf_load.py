@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from rayhybrid.models.layers import shared_parameters
+from rayhybrid.models.layers import tied_names
 
 log = logging.getLogger(__name__)
 
@@ -36,20 +36,24 @@ def load_pretrained(trainer) -> dict:
         raise ValueError(f"model {cfg.model.name!r} has no Hugging Face adapter; it cannot load model.init_from")
     directory = init_dir(cfg.model.init_from)
     start = time.perf_counter()
-    ours: list[dict] = []
+    ours = []  # per stage: {our name: the Hugging Face name it is read from}, its tied tensors
     request = {}
     for _, module in trainer.stages:
+        # A tied output is read once, under the embedding's name (Hugging Face drops
+        # lm_head.weight from a tied model's checkpoint): on a stage with both it is the
+        # embedding's own tensor; on a later pipeline stage, its copy (parallel/tied.py).
+        tied = tied_names(module)
         state = get_model_state_dict(module)
-        # A tied output shares the embedding's tensor: read it once, under the embedding's name
-        # (Hugging Face drops lm_head.weight from a tied model's checkpoint).
-        for name, _ in shared_parameters(module):
-            state.pop(name, None)
+        names = {name: adapter.to_hf(tied.get(name, name)) for name in state}
         for name, tensor in state.items():
-            hf_name = adapter.to_hf(name)
-            if hf_name in request:
-                raise ValueError(f"two parameters map to Hugging Face's {hf_name}")
-            request[hf_name] = tensor
-        ours.append(state)
+            if name not in tied:
+                if names[name] in request:
+                    raise ValueError(f"two parameters map to Hugging Face's {names[name]}")
+                request[names[name]] = tensor
+        ours.append((names, {name: state[name] for name in tied if name in state}))
+    for names, held in ours:  # a copy whose embedding this rank holds too is read into that
+        for name, tensor in held.items():
+            request.setdefault(names[name], tensor)
     group = getattr(trainer, "world_group", None)
     # What the files hold (the same on every rank: every rank makes the same number of loads).
     stored = set(HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata)
@@ -64,9 +68,8 @@ def load_pretrained(trainer) -> dict:
         # A tied checkpoint trained untied: the output starts as a copy of the embedding.
         second = {copies[k]: v for k, v in request.items() if k in copies}
         dcp.load(second, storage_reader=HuggingFaceStorageReader(directory), process_group=group)
-    for (_, module), state in zip(trainer.stages, ours):
-        loaded = {name: request[adapter.to_hf(name)] for name in state}
-        # Not strict: a tied output is set through the embedding it shares its tensor with.
+    for (_, module), (names, _) in zip(trainer.stages, ours):
+        loaded = {name: request[hf_name] for name, hf_name in names.items()}
         set_model_state_dict(module, loaded, options=StateDictOptions(strict=False))
     elapsed = time.perf_counter() - start
     if not dist.is_initialized() or dist.get_rank() == 0:

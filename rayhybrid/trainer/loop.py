@@ -25,6 +25,7 @@ from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
 from rayhybrid.parallel.pipeline import forward_only as pipeline_forward_only
+from rayhybrid.parallel.tied import TiedCopies
 from rayhybrid.trainer.build import build_memory_meter, build_optimizers, build_pipeline, build_stages
 from rayhybrid.trainer.evaluation import Evaluation
 from rayhybrid.trainer.heal import heal_enabled
@@ -74,6 +75,7 @@ class Trainer:
         self.has_first = any(i == 0 for i, _ in self.stages)
         self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
         self.params = [p for _, m in self.stages for p in m.parameters()]
+        self.tied = TiedCopies(self.stages, self.layout)  # an output tied to the embedding at pp>1
         self.optimizers = build_optimizers(self.stages, cfg.train)
         self.timeline = Timeline(rank)
         self.trace_steps = set(cfg.metrics.trace_steps)
@@ -176,7 +178,8 @@ class Trainer:
             loss = self.forward_backward()
             self._phase(self.stages[0][0], "optimizer")
             with self.timeline.span("clip grad norm", "comm", stage=self.stages[0][0]):
-                grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"))
+                self.tied.sum_grads()
+                grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"), self.tied.uncounted)
             # Every collective of the step comes before the optimizer step, which is local.
             with self.timeline.span("all_reduce loss", "comm"):
                 loss = self.global_loss(loss)

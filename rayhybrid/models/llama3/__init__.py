@@ -50,12 +50,6 @@ def validate(cfg) -> None:
             raise ConfigError(
                 "model.rope_scaling", f"rope_type {m.rope_scaling['rope_type']!r} is not supported; only llama3"
             )
-    if m.tie_embeddings and cfg.topology.pp > 1:
-        raise ConfigError(
-            "model.tie_embeddings",
-            "a tied output needs the token embedding on the same pipeline stage; with topology.pp>1 "
-            "set model.tie_embeddings=false (an untied copy) or use topology.pp=1",
-        )
 
 
 SPEC = ModelSpec(

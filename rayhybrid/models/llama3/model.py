@@ -135,6 +135,14 @@ class Llama(nn.Module):
         1B and 3B); called again after tensor parallelism has replaced the parameters."""
         self.output.weight = self.tok_embeddings.weight
 
+    def tied_copies(self) -> dict[str, str]:
+        """{a parameter's name: the parameter it is tied to}, whichever of the two this stage
+        holds. A tied output on a stage without the embedding (pipeline parallelism) is a copy
+        of it, as in Megatron: it starts equal and the trainer sums the two copies' gradients
+        every step (rayhybrid/parallel/tied.py); on a stage with both it is the embedding's own
+        tensor (`tie`)."""
+        return {"output.weight": "tok_embeddings.weight"} if self.cfg.tie_embeddings else {}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
@@ -147,5 +155,6 @@ class Llama(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Every parameter from a generator seeded by (seed, its full name), so every topology
         starts from the same model: normal(0, 0.02) matrices and embeddings, the residual output
-        projections (wo, w2) scaled by 1/sqrt(2 x n_layers), norms at one."""
-        init_by_name(self, seed, self.cfg.n_layers, residual=("wo.weight", "w2.weight"))
+        projections (wo, w2) scaled by 1/sqrt(2 x n_layers), norms at one; a tied output's copy
+        as the embedding."""
+        init_by_name(self, seed, self.cfg.n_layers, residual=("wo.weight", "w2.weight"), aliases=self.tied_copies())
