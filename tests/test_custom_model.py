@@ -177,14 +177,24 @@ def test_cli_trains_the_example_under_dp2_pp2_tp2(tmp_path):
 @pytest.mark.slow
 def test_a_module_the_workers_cannot_import_exits_2_with_one_line(tmp_path):
     """The driver imports the module (its sys.path has it) but the workers cannot (Ray hands
-    them the driver's PYTHONPATH and working directory, not sys.path edits): one line naming
+    them the driver's PYTHONPATH and working directory, not sys.path edits, and
+    cluster.code=off ships nothing; tests/test_code_shipping.py ships it): one line naming
     model.module and the rank, exit 2, and no restarts that cannot help."""
     driver = "import sys; sys.path.insert(0, sys.argv.pop(1)); from rayhybrid.__main__ import main; main(sys.argv[1:])"
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env["PYTHONPATH"] = str(REPO)
     proc = subprocess.run(
-        [sys.executable, "-c", driver, str(EXAMPLE), MODULE, "train.steps=2", f"hydra.run.dir={tmp_path}/run"],
+        [
+            sys.executable,
+            "-c",
+            driver,
+            str(EXAMPLE),
+            MODULE,
+            "cluster.code=off",
+            "train.steps=2",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
         check=False,
         cwd=tmp_path,
         env=env,

@@ -11,6 +11,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayhybrid.cluster import code
 from rayhybrid.cluster.drain import DRAIN_TIMEOUT_S, Drained, drain, finished
 from rayhybrid.cluster.placement import (
     ReplicaShape,
@@ -61,6 +62,9 @@ class WorkerGroup:
         self._actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(TrainWorker)
         # The driver's storage settings (AWS_*, GOOGLE_*, ...), for nodes started without them.
         self.env = forwarded_env()
+        # The model's code for nodes without it (cluster.code), its sizes checked before
+        # anything is placed; uploaded when actors start (rayhybrid/cluster/code.py).
+        self.code = code.shipment(cfg)
         self._inflight: list = []  # the refs of the last call, for `drain`
         self.moves = 0  # replicas moved off draining nodes
         self._hung = False  # whether that call failed by making no progress
@@ -130,11 +134,15 @@ class WorkerGroup:
         restores the state). Every worker call is bounded in time (see `_join`)."""
         for slot in [s for s in self.active if s not in slots]:
             self._stop(self.replicas.pop(slot))
+        size = self.layout.topology.replica_size
+        starting = any(actor is None for slot in slots for actor in self.replicas.get(slot, [None]))
+        # The code is uploaded again if Ray dropped it meanwhile (no actor referred to it).
+        runtime_env = code.runtime_env(self.code, self.env) if starting else None
         for slot in slots:
-            actors = self.replicas.setdefault(slot, [None] * self.layout.topology.replica_size)
+            actors = self.replicas.setdefault(slot, [None] * size)
             for local, actor in enumerate(actors):
                 if actor is None:
-                    actors[local] = self._spawn(slot, local)
+                    actors[local] = self._spawn(slot, local, runtime_env)
         self.active = list(slots)
         self.cfg = with_dp(self.cfg, len(slots))
         self._join()
@@ -162,13 +170,14 @@ class WorkerGroup:
         self.rebuild(self.active)
         return sorted(drained.dead)
 
-    def _spawn(self, slot: int, local: int):
-        """An actor for position `local` (stage-major) of the replica in `slot`."""
+    def _spawn(self, slot: int, local: int, runtime_env: dict | None):
+        """An actor for position `local` (stage-major) of the replica in `slot`, in
+        `runtime_env` (the shipped code, the forwarded settings)."""
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=self.groups[slot], placement_group_bundle_index=local // self.shape.tp
         )
         return self._actor_cls.options(
-            runtime_env={"env_vars": self.env} if self.env else None,
+            runtime_env=runtime_env,
             num_cpus=self.shape.cpus_per_rank,
             num_gpus=1 if self.shape.use_gpu else 0,
             scheduling_strategy=strategy,

@@ -192,6 +192,20 @@ class ClusterConfig:
     off the node. Without a cloud metadata server it starts nothing (one failed probe)."""
     spot_poll_s: float = 5.0
     """How often each node's watcher asks the metadata server (AWS suggests every 5 s)."""
+    code: str = "auto"
+    """The model's code on every node, shipped by the driver with Ray's runtime environment
+    (rayhybrid/cluster/code.py): auto (the top-level package directory or the .py file that
+    defines model.module, as py_modules, unless it is installed, is rayhybrid, or came with
+    the Ray Job's own runtime environment), off (ship nothing: install it on every node), or a
+    directory to ship as Ray's working_dir (the workers run in it)."""
+    code_max_file_mb: float = 10.0
+    """A file larger than this (MB of 2**20 bytes) in what would be shipped stops the run before
+    it starts (exit 2, one line naming the files); .rayignore and .gitignore leave files out."""
+    ray_metrics: bool = False
+    """Ray's metrics (every Ray process's stats and the node's Prometheus endpoint) on the
+    local Ray that rayhybrid starts itself when neither cluster.address nor RAY_ADDRESS is
+    set. Off: nothing reads them there, and exporting them takes CPU from the ranks. A
+    cluster the run joins keeps its own setting."""
 
 
 @dataclass(frozen=True)

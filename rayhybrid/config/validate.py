@@ -6,6 +6,8 @@ package once it can see the cluster.
 
 from __future__ import annotations
 
+import os
+
 from rayhybrid.config.schema import DTYPES, SCHEDULES, Config
 from rayhybrid.config.topology import SCHEDULE_TABLE, Layout
 from rayhybrid.errors import ConfigError
@@ -20,7 +22,14 @@ def _positive(cfg: Config) -> None:
         "model": ("n_layers", "vocab_size"),
         "data": ("seq_len", "branching"),
         "train": ("steps", "global_batch_size", "micro_batch_size", "log_every"),
-        "cluster": ("cpus_per_rank", "torch_threads", "placement_timeout_s", "connect_timeout_s", "spot_poll_s"),
+        "cluster": (
+            "cpus_per_rank",
+            "torch_threads",
+            "placement_timeout_s",
+            "connect_timeout_s",
+            "spot_poll_s",
+            "code_max_file_mb",
+        ),
         "fault": ("step_timeout_s",),
         "elastic": ("min_dp", "reschedule_timeout_s"),
         "eval": ("batches",),
@@ -61,6 +70,7 @@ def validate(cfg: Config) -> None:
     _choice("train.dtype", tr.dtype, DTYPES)
     _choice("train.decay", tr.decay, DECAYS)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
+    _code(str(cfg.cluster.code))
 
     virtual = Layout.of(cfg).virtual_stages
     fixed = SCHEDULE_TABLE[t.schedule].stages_per_rank
@@ -86,6 +96,27 @@ def validate(cfg: Config) -> None:
     else:
         _batch_split(cfg, t.dp)
     _held_out(cfg)
+
+
+def _code(value: str) -> None:
+    """cluster.code: auto, off (the command line's false arrives as False) or a directory that
+    exists here, on the driver (rayhybrid/cluster/code.py ships it)."""
+    if value.lower() in ("auto", "off", "false"):
+        return
+    path = os.path.expanduser(value)
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise ConfigError(
+            "cluster.code", f"{value} is a file; give the directory to ship (Ray's working_dir), auto or off"
+        )
+    if not value.strip() or not any(mark in value for mark in (os.sep, "/", ".", "~")):
+        raise ConfigError(
+            "cluster.code",
+            f"unknown value {value!r} (neither auto, off nor an existing directory); "
+            "choose auto, off, or a directory to ship (e.g. cluster.code=.)",
+        )
+    raise ConfigError("cluster.code", f"directory {value} does not exist; give an existing directory, auto or off")
 
 
 def _held_out(cfg: Config) -> None:

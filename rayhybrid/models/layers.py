@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from rayhybrid.parallel.data_parallel import apply_data_parallel
+from rayhybrid.parallel.tied import tied_copies
 
 
 class CheckpointedBlock(nn.Module):
@@ -51,12 +52,6 @@ def tied_names(module: nn.Module) -> dict[str, str]:
     return dict(shared_parameters(module)) | {
         name: source for name, source in tied_copies(module).items() if name in params
     }
-
-
-def tied_copies(module: nn.Module) -> dict[str, str]:
-    """The stage's `tied_copies()` ({a parameter's name: the one it is tied to}; {} without)."""
-    copies = getattr(module, "tied_copies", None)
-    return dict(copies()) if callable(copies) else {}
 
 
 def name_seed(seed: int, name: str) -> int:

@@ -48,7 +48,8 @@ def _load(module: str, setting: str) -> ModelSpec:
     except ImportError as err:
         raise ConfigError(
             setting,
-            f"cannot import {module!r} ({err}); install the package or add its directory to PYTHONPATH",
+            f"cannot import {module!r} ({err}); install the package, or add its directory to PYTHONPATH "
+            "(cluster.code ships it to the workers; with cluster.code=off they need it installed)",
         ) from None
     spec = getattr(mod, "SPEC", None)
     if not isinstance(spec, ModelSpec):

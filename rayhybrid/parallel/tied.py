@@ -19,11 +19,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rayhybrid.config.topology import Layout
-from rayhybrid.models.layers import tied_copies
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def tied_copies(module: torch.nn.Module) -> dict[str, str]:
+    """The stage's `tied_copies()` ({a parameter's name: the one it is tied to}; {} without)."""
+    copies = getattr(module, "tied_copies", None)
+    return dict(copies()) if callable(copies) else {}
 
 
 class TiedCopies:

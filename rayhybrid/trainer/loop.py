@@ -63,7 +63,6 @@ class Trainer:
         self.n_microbatches = self.layout.num_microbatches
         self.replica_tokens = self.layout.replica_batch_size * cfg.data.seq_len
         self.loss_parallel = t.use_loss_parallel(cfg.model.vocab_size)
-
         self.num_stages = self.layout.num_stages
         self.stages = build_stages(
             cfg, self.spec, self.layout, self.mesh, device, pp_rank=self.coord.pp, loss_parallel=self.loss_parallel

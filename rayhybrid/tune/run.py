@@ -228,6 +228,7 @@ def layout_plan(cfg: Config, budget: float, cuda: bool, metric: str, gpus_per_no
 
 def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
     """Connect, search, write the outputs; returns the summary (also in tune_summary.json)."""
+    from rayhybrid.cluster import code
     from rayhybrid.cluster.connect import connect
     from rayhybrid.tune import report
 
@@ -240,7 +241,11 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
         budget = resolve_budget_mb(cfg, shape)
         cfg = replace(cfg, tune={"memory_budget_mb": budget})
         plan = search_plan(cfg, shape, budget)
-        host = ray.remote(num_cpus=0)(TrialHost).remote(cfg, shape)
+        # The host imports the model (its trials' checks) and starts the workers: it gets the
+        # shipped code (cluster.code), and its workers inherit it.
+        shipped = code.shipment(cfg)
+        host_cls = ray.remote(num_cpus=0)(TrialHost).options(runtime_env=code.runtime_env(shipped))
+        host = host_cls.remote(code.inherited(cfg, shipped), shape)
         wall = _run_trials(plan, host, out)
     finally:
         _release(host, started_ray)
