@@ -24,13 +24,17 @@ from ray.cluster_utils import Cluster
 HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 3}
 
 
-def add_node(cluster: Cluster, num_cpus: int):
-    return cluster.add_node(num_cpus=num_cpus, include_dashboard=False)
+def add_node(cluster: Cluster, num_cpus: int, num_gpus: int | None = None):
+    """`num_gpus`: GPUs the node declares to Ray, none of which need exist (Ray hands out their
+    ids all the same); None: the GPUs Ray detects."""
+    gpus = {} if num_gpus is None else {"num_gpus": num_gpus}
+    return cluster.add_node(num_cpus=num_cpus, include_dashboard=False, **gpus)
 
 
 @contextlib.contextmanager
-def local_cluster(head_cpus: int, node_cpus: list[int]):
-    """`head_cpus=0` keeps ranks off the driver's node, so removing any other node is safe."""
+def local_cluster(head_cpus: int, node_cpus: list[int], node_gpus: int | None = None):
+    """`head_cpus=0` keeps ranks off the driver's node, so removing any other node is safe;
+    `node_gpus`: the GPUs each added node declares."""
     # No metrics: after a node dies, Ray's metrics export keeps the GCS and the head's
     # dashboard agent busy at a core each, which starves the (niced) ranks on this 2-core
     # machine: steps 20 times slower, long enough to look hung.
@@ -39,7 +43,7 @@ def local_cluster(head_cpus: int, node_cpus: list[int]):
     system = {"enable_metrics_collection": False, **HEALTH_CHECKS}
     head = {"num_cpus": head_cpus, "include_dashboard": False, "_system_config": system}
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    nodes = [add_node(cluster, cpus) for cpus in node_cpus]
+    nodes = [add_node(cluster, cpus, node_gpus) for cpus in node_cpus]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     try:

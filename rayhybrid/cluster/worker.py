@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ class WorkerInfo:
     ip: str
     pid: int
     gpu_ids: tuple[str, ...]
+
+
+def own_gpus() -> tuple[str, ...]:
+    """The GPU ids Ray gave the calling worker (none on CPU)."""
+    return tuple(str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
 
 
 def free_port() -> int:
@@ -61,18 +67,40 @@ class TrainWorker:
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
     def info(self) -> WorkerInfo:
-        """Where this worker runs. The first call also imports the trainer, so that the ranks
-        reach the rendezvous of `setup` together (a new worker would be seconds behind)."""
-        import rayhybrid.trainer.loop  # noqa: F401
-
-        ctx = ray.get_runtime_context()
+        """Where this worker runs. The first call also imports the trainer (`warm_up`)."""
+        self.warm_up()
         return WorkerInfo(
             rank=self.rank,
-            node_id=ctx.get_node_id(),
+            node_id=ray.get_runtime_context().get_node_id(),
             ip=ray.util.get_node_ip_address(),
             pid=os.getpid(),
-            gpu_ids=tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", [])),
+            gpu_ids=own_gpus(),
         )
+
+    def warm_up(self) -> None:
+        """Import the trainer, so that the ranks reach the rendezvous of `setup` together (a new
+        worker would be seconds behind)."""
+        import rayhybrid.trainer.loop  # noqa: F401
+
+    def placement(self, visible_gpus: tuple[str, ...] = ()) -> dict:
+        """Where this rank runs, the GPUs Ray gave it, and the device, CUDA_VISIBLE_DEVICES and
+        backend that `setup` would choose with `visible_gpus` (`choose_device`, as `_join`
+        does). Neither touches CUDA nor imports torch: the placement can be checked on a
+        cluster whose GPUs are only declared."""
+        from rayhybrid.parallel.mesh import choose_device
+
+        choice = choose_device(own_gpus(), visible_gpus)
+        torch = sys.modules.get("torch")
+        return {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "device": str(choice),
+            "cuda_visible_devices": choice.cuda_visible_devices,
+            "backend": choice.backend,
+            "cuda_initialized": torch is not None and torch.cuda.is_initialized(),
+        }
 
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> int:
@@ -105,7 +133,13 @@ class TrainWorker:
     def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...]) -> dict:
         import torch
 
-        from rayhybrid.parallel.mesh import COLLECTIVE_TIMEOUT_S, JOIN_TIMEOUT_S, init_process_group, joining
+        from rayhybrid.parallel.mesh import (
+            COLLECTIVE_TIMEOUT_S,
+            JOIN_TIMEOUT_S,
+            choose_device,
+            init_process_group,
+            joining,
+        )
         from rayhybrid.trainer.loop import Trainer
 
         torch.set_num_threads(self.cfg.cluster.torch_threads)
@@ -113,13 +147,11 @@ class TrainWorker:
         # that `reset` runs, which then take milliseconds instead of most of a second.
         gc.collect()
         gc.freeze()
-        own = self.info().gpu_ids
-        if own:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus or own)
-            device = torch.device("cuda", list(visible_gpus or own).index(own[0]))
+        choice = choose_device(self.info().gpu_ids, visible_gpus)
+        device = choice.device
+        if choice.cuda_visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = choice.cuda_visible_devices
             torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
         # A short timeout while the groups form: a rank that dies meanwhile leaves the others
         # blocked in a rendezvous, which nothing else wakes (rayhybrid/parallel/mesh.py).
         with joining(COLLECTIVE_TIMEOUT_S):

@@ -1,20 +1,64 @@
-"""Process group, backend choice and the named ("dp", "pp", "tp") device mesh."""
+"""Process group, backend choice and the named ("dp", "pp", "tp") device mesh.
+
+torch is imported where it is used: the device choice (`choose_device`) needs none, so a rank
+reports what it would choose (`TrainWorker.placement`, cluster/worker.py) without the seconds
+that importing torch takes."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("dp", "pp", "tp")
 
 
-def select_backend(device: torch.device) -> str:
+def select_backend(device: torch.device | DeviceChoice) -> str:
     """NCCL for a CUDA device, gloo otherwise: chosen, never configured by hand."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """The device a rank trains on (`choose_device`), as torch names it: `type` and `index`."""
+
+    type: str
+    index: int | None
+    cuda_visible_devices: str | None
+    """CUDA_VISIBLE_DEVICES to set before CUDA starts; None on CPU (left as it is)."""
+
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.type, self.index)
+
+    @property
+    def backend(self) -> str:
+        return select_backend(self)
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+def choose_device(own: Sequence[str], visible: Sequence[str] = ()) -> DeviceChoice:
+    """The device of a rank that holds the GPUs `own` (the ids Ray gave it; none: the CPU) on a
+    node whose ranks hold `visible` together (empty: only its own). The rank sees every GPU in
+    `visible`, so NCCL can use the peer-to-peer links between them, and uses its first own GPU,
+    by its position there. Pure: it touches no CUDA, so a test can ask it on a machine without
+    the GPUs that Ray declares."""
+    if not own:
+        return DeviceChoice("cpu", None, None)
+    seen = [str(gpu) for gpu in (visible or own)]
+    if str(own[0]) not in seen:
+        raise ValueError(f"GPU {own[0]} of this rank is not among its node's GPUs {seen}")
+    return DeviceChoice("cuda", seen.index(str(own[0])), ",".join(seen))
 
 
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -30,6 +74,8 @@ def init_process_group(
     device: torch.device,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
 ) -> None:
+    import torch.distributed as dist
+
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
         backend=select_backend(device),
@@ -56,6 +102,7 @@ def joining(collective_s: float, timeout_s: float = JOIN_TIMEOUT_S):
     `new_group`'s). On leaving, every group gets the timeout it would have had (`collective_s`
     for the default group, torch's default for the others): the short one is for forming a
     group, never for its collectives."""
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     defaults = c10d.default_pg_timeout, c10d.default_pg_nccl_timeout
@@ -76,6 +123,8 @@ def joining(collective_s: float, timeout_s: float = JOIN_TIMEOUT_S):
 
 def build_mesh(dp: int, pp: int, tp: int, device: torch.device) -> DeviceMesh:
     """The one mesh every sub-group comes from; rank order is tp fastest, dp outermost."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
 
 
@@ -93,6 +142,7 @@ def forget_meshes() -> None:
     cluster/worker.py)."""
     import gc
 
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
