@@ -42,8 +42,20 @@ def connect(cfg: Config) -> bool:
         include_dashboard=False,
         logging_level=logging.WARNING,
         log_to_driver=True,
+        _system_config=local_system_config(cfg),
     )
     return True
+
+
+def local_system_config(cfg: Config) -> dict:
+    """Ray's system config for the local Ray that `connect` starts. Without
+    `cluster.ray_metrics`, metrics collection is off (`enable_metrics_collection`, the
+    system-config form of RAY_enable_metrics_collection=0): the GCS, the raylet, the driver and
+    every worker skip their stats exporter (their logs say "Disabled stats."), and the raylet
+    starts its dashboard agent with --disable-metrics-collection, so the agent runs no
+    Prometheus endpoint (the node's MetricsExportPort is -1) and records nothing. A cluster
+    the run joins keeps its own settings."""
+    return {} if cfg.cluster.ray_metrics else {"enable_metrics_collection": False}
 
 
 def join(address: str, setting: str, timeout_s: float) -> None:

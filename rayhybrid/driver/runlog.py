@@ -7,6 +7,9 @@ workers.json and summary.json, and the experiment trackers, which get every reco
     log.interruption(interruption)                # a restart or resize, once its first step is done
     log.close("completed", restarts=1, ...)       # summary.json
 
+While the run log is open, Ray's own text goes to the run's log file rather than the terminal
+(`RayText`), so a failure rayhybrid handles shows as rayhybrid's one line.
+
 The summary (`RunSummary`) is folded from the records written here and completed at close from
 the driver's final run state: the driver's states never write it. A step trained again after a
 recovery replaces its earlier record (`rewind`), so every step appears once.
@@ -20,10 +23,12 @@ import logging
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
+from rayhybrid.driver.raytext import RayText
 from rayhybrid.driver.records import Interruption, RunSummary, StepMetrics
 
 log = logging.getLogger("rayhybrid")
@@ -76,6 +81,9 @@ class RunLog:
         self.history: list[StepMetrics] = []
         self.started = time.perf_counter()
         self.data_trace = DataTrace(self.dir / "data_trace")
+        self.ray_text = RayText(self.dir)
+        """Ray's own text, in the run's log file until `close` (or until this run log is gone)."""
+        weakref.finalize(self, self.ray_text.close)
         self.observer = None
         """Adds FLOP/s and MFU to each step and the figures at close (rayhybrid.driver.observe)."""
         self.trackers = None
@@ -253,6 +261,7 @@ class RunLog:
         self.write_json("summary.json", data, indent=2)
         if self.trackers is not None:
             self.trackers.close(data)
+        self.ray_text.close()  # (should something above raise: once this run log is gone)
         return data
 
     def _write(self, record: dict) -> None:
