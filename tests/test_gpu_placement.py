@@ -54,6 +54,9 @@ def probe_worker():
         def reset(self, keep: bool = True) -> None:
             pass
 
+        def host_store(self, world_size: int) -> int:  # no rendezvous: nothing joins
+            return 0
+
         def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...]) -> dict:
             return self.placement(visible_gpus)
 

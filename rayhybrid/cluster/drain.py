@@ -58,6 +58,7 @@ def drain(group) -> Drained:
     checks, and until then its placement group looks placed."""
     topo = group.layout.topology
     workers = group.workers
+    closing = close_rendezvous(group)
     start = time.perf_counter()
     hung = unresponsive(group) if group._hung else set()
     found_s = time.perf_counter() - start
@@ -80,7 +81,7 @@ def drain(group) -> Drained:
             dead.add(rank)
     dead |= unreachable
     group._stop([workers[rank] for rank in dead - hung])
-    settle(group._inflight)
+    settle(group._inflight + closing)
     group._inflight = []
     # The nodes of the workers gone: one that lost power looks alive for a while yet, and
     # its placement groups placed; a worker started there again would never start.
@@ -101,6 +102,16 @@ def drain(group) -> Drained:
     )
     broken = frozenset(group.active[topo.coord(rank).dp] for rank in dead)
     return Drained(frozenset(dead), broken, frozenset(nodes_lost), found_s)
+
+
+def close_rendezvous(group) -> list:
+    """Stop the rendezvous store of the world that failed (served by its rank 0, see
+    `TrainWorker.host_store`); returns the call's ref. Ranks blocked in a join waiting there
+    for a rank that is gone fail at once, instead of after JOIN_TIMEOUT_S (and gloo's retries
+    on top): in torch 2.13 a process group forms by each rank waiting in the store for every
+    other rank's address. The world is joined again anyway, with a new store."""
+    host, group.store_host = group.store_host, None
+    return [host.close_store.remote()] if host is not None else []
 
 
 def unresponsive(group) -> set[int]:

@@ -68,6 +68,7 @@ class WorkerGroup:
         self._inflight: list = []  # the refs of the last call, for `drain`
         self.moves = 0  # replicas moved off draining nodes
         self._hung = False  # whether that call failed by making no progress
+        self.store_host = None  # the worker serving the rendezvous of the last join
 
     @property
     def layout(self) -> Layout:
@@ -192,7 +193,9 @@ class WorkerGroup:
         gpus_by_node: dict[str, list[str]] = defaultdict(list)
         for info in self.infos:
             gpus_by_node[info.node_id].extend(info.gpu_ids)
-        master_port = self._get([workers[0].free_port.remote()], timeout, "start")[0]
+        # Rank 0 serves the rendezvous; the drain closes it when a rank is lost during the join.
+        master_port = self._get([workers[0].host_store.remote(len(workers))], timeout, "start")[0]
+        self.store_host = workers[0]
         master_addr = self.infos[0].ip
         log.debug("%d workers joining a process group at %s:%d", len(workers), master_addr, master_port)
         calls = [

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import socket
 import sys
 import time
 import warnings
@@ -34,12 +33,6 @@ def own_gpus() -> tuple[str, ...]:
     return tuple(str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 CONTROL = "control"  # the concurrency group that answers while a step is blocked
 
 
@@ -60,6 +53,7 @@ class TrainWorker:
         self.world_size = world_size
         self.trainer = None
         self.kept = None  # fault.heal: the state kept across a failure (rayhybrid/trainer/heal.py)
+        self.store = None  # the rendezvous this worker serves as rank 0 (`host_store`)
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
         # DTensor warns on every step that a 2-D norm reduction takes two all-reduces, and
         # FSDP2/replicate that a stage's output is a view (nothing here modifies it in place).
@@ -106,8 +100,23 @@ class TrainWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def free_port(self) -> int:
-        return free_port()
+    @ray.method(concurrency_group=CONTROL)
+    def host_store(self, world_size: int) -> int:
+        """Serve the rendezvous of the next join (a TCPStore on a free port, as rank 0); returns
+        its port. It lives apart from the process groups, so the driver can close it
+        (`close_store`) when a rank is lost while the others wait in the rendezvous for it:
+        their waits then fail at once instead of after JOIN_TIMEOUT_S."""
+        from rayhybrid.parallel.mesh import host_store
+
+        self.store = None
+        self.store = host_store(ray.util.get_node_ip_address(), world_size)
+        return self.store.port
+
+    @ray.method(concurrency_group=CONTROL)
+    def close_store(self) -> None:
+        """Stop serving the rendezvous (its server stops with the object): every rank still
+        waiting in it fails at once."""
+        self.store = None
 
     def setup(
         self,
@@ -137,6 +146,7 @@ class TrainWorker:
             COLLECTIVE_TIMEOUT_S,
             JOIN_TIMEOUT_S,
             choose_device,
+            host_store,
             init_process_group,
             joining,
         )
@@ -152,8 +162,11 @@ class TrainWorker:
         if choice.cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = choice.cuda_visible_devices
             torch.cuda.set_device(device)
+        if self.rank == 0 and (self.store is None or self.store.port != master_port):
+            # Nobody serves this rendezvous yet (a worker driven without the driver): rank 0 does.
+            self.store = host_store(master_addr, self.world_size, master_port)
         # A short timeout while the groups form: a rank that dies meanwhile leaves the others
-        # blocked in a rendezvous, which nothing else wakes (rayhybrid/parallel/mesh.py).
+        # blocked in a rendezvous, until the driver closes its store (rayhybrid/cluster/drain.py).
         with joining(COLLECTIVE_TIMEOUT_S):
             init_process_group(
                 rank=self.rank,
@@ -162,6 +175,7 @@ class TrainWorker:
                 master_port=master_port,
                 device=device,
                 timeout_s=JOIN_TIMEOUT_S,
+                hosted=True,
             )
             self.trainer = Trainer(self.cfg, rank=self.rank, device=device)
         return self.trainer.describe()
@@ -279,6 +293,10 @@ class TrainWorker:
             dist.destroy_process_group()
             gc.collect()
             forget_meshes()
+        else:  # a join that failed before its default group formed has counted that group
+            from rayhybrid.parallel.mesh import forget_group_names
+
+            forget_group_names()
         gc.collect()
         if torch.cuda.is_initialized():  # after an out-of-memory error: hand the cached memory back
             torch.cuda.empty_cache()
@@ -294,6 +312,7 @@ class TrainWorker:
 
     def close(self) -> None:
         self.kept = None
+        self.store = None
         self.reset(keep=False)
 
 

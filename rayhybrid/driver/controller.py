@@ -259,7 +259,8 @@ class Controller:
         try:
             run = self.ledger.check_storage(run, group, slots).but(slots=slots)
             group.rebuild(list(slots))
-        except WorkerError as err:
+        except WorkerError as err:  # a rank lost while the group joins again
+            self.log.interrupted(intr, err)
             return self._failed(run, err, intr.step, None)
         intr = intr.but(init_s=time.perf_counter() - mark, dp_after=run.dp, replaced_ranks=sorted(drained.dead))
         return self._resume(run, intr, heal=True)

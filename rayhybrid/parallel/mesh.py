@@ -73,17 +73,30 @@ def init_process_group(
     master_port: int,
     device: torch.device,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    hosted: bool = False,
 ) -> None:
+    """Join the default group at master_addr:master_port. `hosted`: a store is served there
+    already (`host_store`) and every rank connects to it as a client; otherwise rank 0 serves
+    it inside its process group (torch's tcp:// rendezvous)."""
     import torch.distributed as dist
 
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(
-        backend=select_backend(device),
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-        **kwargs,
+    timeout = timedelta(seconds=timeout_s)
+    if hosted:
+        kwargs["store"] = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+    else:
+        kwargs["init_method"] = f"tcp://{master_addr}:{master_port}"
+    dist.init_process_group(backend=select_backend(device), rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+
+
+def host_store(host: str, world_size: int, port: int = 0, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    """A rendezvous store served by this process on `port` (0: a free one; every interface),
+    until the object is dropped: then its server stops, and every rank waiting in it fails at
+    once (`TrainWorker.close_store`)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
 
 
@@ -91,8 +104,9 @@ JOIN_TIMEOUT_S = 20.0
 """How long a rank waits for the others while the process groups are formed. They start
 together (the driver calls every rank's setup at once, imports done), so the rendezvous takes
 seconds, and a rendezvous that cannot complete ends after this long instead of a collective's
-timeout (minutes). It does not make a rank lost during a join cheap: gloo's connection retries
-to a dead peer outlast it, and the drain replaces ranks still blocked after 30 s."""
+timeout (minutes). A rank lost during a join costs far less than this: the others wait for it
+in the rendezvous store, which the driver then closes (rayhybrid/cluster/drain.py), and they
+fail at once."""
 
 
 @contextlib.contextmanager
@@ -126,6 +140,16 @@ def build_mesh(dp: int, pp: int, tp: int, device: torch.device) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def forget_group_names() -> None:
+    """Number the next world's groups from 0 again. torch names a group by a process-wide count
+    it advances before the group forms and resets only when a formed world is destroyed; after a
+    join that failed before its default group formed, this rank would name every group of the
+    next world one higher than the others do, and wait for keys no other rank writes."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._world.group_count = 0
 
 
 def forget_meshes() -> None:
