@@ -1,6 +1,6 @@
 """Peer healing (fault.heal) where a failure strikes: during an evaluation, during the heal
-itself, two ranks of different replicas at once, both copies of one shard (back to the
-checkpoint), and failures back to back. dp2_tp2: ranks 0 and 2 hold shard tp0, ranks 1 and 3
+itself, during the join of a recovery, during a checkpoint restore, two ranks of different
+replicas at once, both copies of one shard (back to the checkpoint), and failures back to back. dp2_tp2: ranks 0 and 2 hold shard tp0, ranks 1 and 3
 shard tp1. Kills come from outside with SIGKILL, except where only the injector can place
 them (the start of an evaluation). Every run ends with the losses of an uninterrupted dp2_tp2
 run, bit for bit; every teardown takes at most 2 s; every heal redoes no step."""
@@ -181,4 +181,28 @@ def test_kill_during_the_join_of_a_recovery_leaves_at_once_and_heals(tmp_path, r
     first, second = summary["recoveries"]
     assert "interrupted" in first and "interrupted" not in second, summary["recoveries"]
     assert 2 in second["replaced_ranks"] and (second["healed"], second["steps_redone"]) == ("peer", 0)
+    assert losses(run_dir) == losses(reference_dir)
+
+
+def test_kill_during_a_checkpoint_restore_recovers_again(tmp_path, reference_dir):
+    """Ranks 1 and 3 (both copies of tp1) SIGKILLed after step 5: the run restores its
+    checkpoint, and as that restore begins rank 0 is SIGKILLed from outside. The restore's
+    collectives break, the ranks leave at once, the group recovers again from the checkpoint,
+    and the run ends exact."""
+    run_dir = tmp_path / "run"
+    restoring = Logged("restoring the checkpoint")
+    logging.getLogger("rayhybrid").addHandler(restoring)
+    try:
+        thread, result = in_background(TOPOLOGY, run_dir)
+        when_step(run_dir, 5)
+        for rank in (1, 3):
+            signal_rank(run_dir, rank, signal.SIGKILL)
+        assert restoring.seen.wait(300), "no checkpoint restore began"
+        signal_rank(run_dir, 0, signal.SIGKILL)
+        summary = finished(result, thread)
+    finally:
+        logging.getLogger("rayhybrid").removeHandler(restoring)
+    first, second = summary["recoveries"]
+    assert "interrupted" in first and "interrupted" not in second, summary["recoveries"]
+    assert 0 in second["replaced_ranks"] and second["healed"] == "checkpoint"
     assert losses(run_dir) == losses(reference_dir)

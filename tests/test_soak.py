@@ -190,7 +190,7 @@ def fixed_run_plan(rng: random.Random, steps: int, offset: int = 0) -> tuple[lis
     return faults, node
 
 
-def test_fixed_dp2_pp2_tp2(cluster, tmp_path):
+def test_fixed_dp2_pp2_tp2(cluster, tmp_path, capfd):
     rng = random.Random(SEED)
     stretch = 16
     steps = stretch * SCALE
@@ -212,6 +212,12 @@ def test_fixed_dp2_pp2_tp2(cluster, tmp_path):
     kinds = tally(run_dir, summary, node_log)
     assert summary["restarts"] == len(faults) + len(node_plan), kinds  # one recovery each
     assert losses(run_dir) == losses(Path(reference["run_dir"]))  # bitwise
+    # The terminal has rayhybrid's lines; Ray's paragraphs about the failures it handled went
+    # to the run's ray.log (rayhybrid/driver/raytext.py).
+    out, err = capfd.readouterr()
+    for paragraph in ("A worker died", "(raylet)", "RayActorError"):
+        assert paragraph not in out + err, paragraph
+    assert "A worker died" in (run_dir / "ray.log").read_text()
 
 
 @pytest.fixture(scope="module")

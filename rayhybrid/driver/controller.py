@@ -260,8 +260,7 @@ class Controller:
             run = self.ledger.check_storage(run, group, slots).but(slots=slots)
             group.rebuild(list(slots))
         except WorkerError as err:  # a rank lost while the group joins again
-            self.log.interrupted(intr, err)
-            return self._failed(run, err, intr.step, None)
+            return self._failed(run, err, intr.step, None, recovery=intr)
         intr = intr.but(init_s=time.perf_counter() - mark, dp_after=run.dp, replaced_ranks=sorted(drained.dead))
         return self._resume(run, intr, heal=True)
 
@@ -300,11 +299,13 @@ class Controller:
             return Failed(run, RunFailed(f"{why}; {self.ledger.last_good()}"))
         return Finished(run)
 
-    def _failed(self, run: RunState, err: WorkerError, step: int, inject: Injection | None) -> Recovering:
-        """A call failed while training `step`: what the recovery starts from."""
+    def _failed(self, run: RunState, err: WorkerError, step: int, inject: Injection | None, recovery=None):
+        """A call failed at `step`, or the `recovery` from an earlier failure did: a Recovering."""
+        if recovery is not None:  # the recovery itself failed: not the same failure repeating
+            self.log.interrupted(recovery, err)
+            err = WorkerError(err.rank, f"in the recovery: {err.message}")
         log.warning("step %d failed: %s", step, err)
-        since = self.log.history[-1]["time"] if self.log.history else None
-        detect = max(0.0, time.time() - since) if since else 0.0
+        detect = max(0.0, time.time() - self.log.history[-1]["time"]) if self.log.history else 0.0
         good = self.ledger.latest()
         intr = Interruption("restart", str(err), step, run.dp, resume_step=good.step if good else 0, detect_s=detect)
         return Recovering(run, err, intr, injected=inject is not None)
@@ -314,8 +315,7 @@ class Controller:
         try:
             return Training(*self._restore(run, intr, heal))
         except WorkerError as err:
-            self.log.interrupted(intr, err)
-            return self._failed(run, err, run.step + 1, None)
+            return self._failed(run, err, run.step + 1, None, recovery=intr)
 
     def _restore(self, run: RunState, intr, heal: bool = False) -> tuple[RunState, Interruption | None]:
         """After a failure (`heal`), heal from the survivors' state when the heal policy says
