@@ -8,10 +8,6 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import ray
@@ -21,8 +17,8 @@ from ray._private.ray_logging import global_worker_stdstream_dispatcher
 from rayhybrid.cluster.connect import connect, local_system_config
 from rayhybrid.driver.raytext import RayText
 from rayhybrid.preflight import load_config
+from tests.test_cli import run_cli
 
-REPO = Path(__file__).resolve().parents[1]
 RAY_TEXT = ("A worker died", "(raylet)", "RayActorError", "Traceback", "pid=", "injecting fault")
 
 
@@ -31,19 +27,9 @@ def test_a_killed_rank_is_rayhybrids_lines_on_the_terminal_and_rays_text_in_the_
     """`python -m rayhybrid` on dp2 with rank 1 SIGKILLed at step 3: the terminal has the
     failure and the recovery as rayhybrid's lines and none of Ray's paragraphs, which are in
     the run's log file (`__main__.log`) with the worker's own line about the fault."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     run_dir = tmp_path / "run"
     args = ["+debug=fast", "+topology=dp2", "train.steps=4", "fault.inject=[kill@3:1]", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "rayhybrid", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    proc = run_cli(args, cwd=tmp_path, timeout=240)
     terminal = proc.stdout + proc.stderr
     assert proc.returncode == 0, terminal[-3000:]
     assert "step 3 failed: rank 1: worker died" in proc.stdout
