@@ -5,6 +5,9 @@ stay the same, so the losses match a fixed-dp run and every sample is used once,
 from __future__ import annotations
 
 import json
+import logging
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +22,7 @@ from rayhybrid.driver.controller import RunFailed
 from rayhybrid.errors import ConfigError
 from rayhybrid.preflight import validate
 from tests.clusters import add_node, local_cluster
-from tests.test_recovery import in_background, losses, when_step
+from tests.test_recovery import in_background, losses, signal_rank, when_step
 
 # A replica is pp2 x tp1: two ranks, one node of 2 CPUs. G=12 splits for dp 1, 2 and 3.
 COMMON = [
@@ -112,6 +115,77 @@ def test_shrinks_when_a_node_goes_and_grows_when_one_comes_back(cluster, tmp_pat
             expected += count
     # The training mathematics did not change: same losses as the fixed-dp run.
     assert losses(run_dir) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
+
+
+class KillInGrow(logging.Handler):
+    """SIGKILLs `rank` of the run in `run_dir` half a second after the driver starts the join
+    of a grow (the first "joining a process group" after "resize dp")."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        super().__init__(logging.DEBUG)
+        self.run_dir, self.rank, self.armed, self.killed = run_dir, rank, False, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("resize dp"):
+            self.armed = True
+        elif self.armed and "joining a process group" in message:
+            self.armed = False
+            threading.Timer(0.5, self.kill).start()
+
+    def kill(self) -> None:
+        signal_rank(self.run_dir, self.rank, signal.SIGKILL)
+        self.killed.set()
+
+
+@pytest.mark.slow
+def test_kill_during_a_grow_leaves_at_once(cluster, tmp_path):
+    """An elastic run starts on two replicas (a placement group holds the third node), grows to
+    three when it is released, and a rank is SIGKILLed from outside half a second into the
+    grow's join. The ranks waiting for it leave at once (the drain closes the rendezvous), the
+    run recovers, and it ends with every sample read once and the losses of a fixed run."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    steps = 30
+    wait_for(lambda: sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) == 3)
+    reference = rayhybrid.train([*COMMON, f"train.steps={steps}"], run_dir=tmp_path / "ref")
+    wait_for(lambda: ray.available_resources().get("CPU", 0) == 6)
+    holder = placement_group([{"CPU": 2}], strategy="STRICT_PACK")
+    ray.get(holder.ready(), timeout=60)
+    run_dir = tmp_path / "run"
+    watch = KillInGrow(run_dir, rank=1)
+    loggers = [logging.getLogger("rayhybrid"), logging.getLogger("rayhybrid.cluster.group")]
+    level = loggers[1].level
+    loggers[1].setLevel(logging.DEBUG)
+    for logger in loggers:
+        logger.addHandler(watch)
+    try:
+        thread, result = in_background([*COMMON, *ELASTIC, f"train.steps={steps}"], run_dir)
+        when_step(run_dir, 3)
+        remove_placement_group(holder)
+        thread.join(timeout=600)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(watch)
+        loggers[1].setLevel(level)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    assert watch.killed.is_set() and summary["status"] == "completed"
+    # The grow never finished: the recovery from the kill carries the run on at dp 3, from the
+    # checkpoint written for the grow.
+    (recovery,) = summary["recoveries"]
+    assert recovery["teardown_s"] <= 2.0 and recovery["dp_after"] == 3, recovery
+    assert (recovery["healed"], recovery["steps_redone"]) == ("checkpoint", 0)
+    step_records = [r for r in records(run_dir) if "event" not in r]
+    assert [r["step"] for r in step_records] == list(range(1, steps + 1))
+    dps = [r["dp"] for r in step_records]
+    assert dps[0] == 2 and dps[-1] == 3 and dps[recovery["failed_step"] - 1] == 3
+    for r in step_records:  # exactly once, in order
+        expected = 12 * (r["step"] - 1)
+        for start, count in r["samples"]:
+            assert start == expected
+            expected += count
+    assert losses(run_dir) == pytest.approx(losses(Path(reference["run_dir"])), rel=1e-5)
 
 
 @pytest.mark.slow
