@@ -62,7 +62,7 @@ def drain(group) -> Drained:
     start = time.perf_counter()
     hung = unresponsive(group) if group._hung else set()
     found_s = time.perf_counter() - start
-    sigkill([group.infos[rank] for rank in hung])  # their connections close: blocked peers fail
+    alive = sigkill([group.infos[rank] for rank in hung])  # their connections close: blocked peers fail
     group._stop([workers[rank] for rank in hung])
     dead = set(hung)
     resets = {rank: workers[rank].reset.remote() for rank in range(len(workers)) if rank not in dead}
@@ -85,7 +85,7 @@ def drain(group) -> Drained:
     group._inflight = []
     # The nodes of the workers gone: one that lost power looks alive for a while yet, and
     # its placement groups placed; a worker started there again would never start.
-    suspects = {group.infos[rank].node_id for rank in dead}
+    suspects = {group.infos[rank].node_id for rank in dead} - alive
     start = time.perf_counter()
     nodes_lost = wait_for_node_verdicts(suspects, group.cfg.cluster.placement_timeout_s)
     found_s += time.perf_counter() - start
@@ -131,24 +131,30 @@ def unresponsive(group) -> set[int]:
     return silent
 
 
-def sigkill(infos: list) -> None:
+def sigkill(infos: list) -> set[str]:
     """SIGKILL the processes of hung workers at once, each on its own node: `ray.kill` first asks
     a worker to exit and waits about 5 s before it kills one that does not answer (a stopped
     process never does), and until the process is gone its peers stay blocked on it. A worker
     on the driver's node is signalled directly, one elsewhere by a task pinned to its node.
-    Best effort: a node that cannot run the task leaves the worker to `ray.kill`."""
+    Best effort: a node that cannot run the task leaves the worker to `ray.kill`. Returns the
+    nodes known alive: the driver's, and those that ran the task (no verdict to wait for)."""
     here = ray.get_runtime_context().get_node_id()
-    remote = []
+    remote = {}
     for info in infos:
         if info.node_id == here:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(info.pid, signal.SIGKILL)
         else:
             strategy = NodeAffinitySchedulingStrategy(node_id=info.node_id, soft=False)
-            remote.append(_sigkill.options(scheduling_strategy=strategy).remote(info.pid))
+            remote[_sigkill.options(scheduling_strategy=strategy).remote(info.pid)] = info.node_id
+    alive = {here}
     if remote:
-        done, _ = ray.wait(remote, num_returns=len(remote), timeout=SIGKILL_WAIT_S)
-        settle(done)
+        done, _ = ray.wait(list(remote), num_returns=len(remote), timeout=SIGKILL_WAIT_S)
+        for ref in done:
+            with contextlib.suppress(RayError):
+                ray.get(ref)
+                alive.add(remote[ref])
+    return alive
 
 
 @ray.remote(num_cpus=0, max_retries=0)
