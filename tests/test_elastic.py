@@ -5,9 +5,6 @@ stay the same, so the losses match a fixed-dp run and every sample is used once,
 from __future__ import annotations
 
 import json
-import logging
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +19,7 @@ from rayhybrid.driver.controller import RunFailed
 from rayhybrid.errors import ConfigError
 from rayhybrid.preflight import validate
 from tests.clusters import add_node, local_cluster
-from tests.test_recovery import in_background, losses, signal_rank, when_step
+from tests.test_recovery import KillInJoin, in_background, losses, when_step
 
 # A replica is pp2 x tp1: two ranks, one node of 2 CPUs. G=12 splits for dp 1, 2 and 3.
 COMMON = [
@@ -117,27 +114,6 @@ def test_shrinks_when_a_node_goes_and_grows_when_one_comes_back(cluster, tmp_pat
     assert losses(run_dir) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
 
 
-class KillInGrow(logging.Handler):
-    """SIGKILLs `rank` of the run in `run_dir` half a second after the driver starts the join
-    of a grow (the first "joining a process group" after "resize dp")."""
-
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        super().__init__(logging.DEBUG)
-        self.run_dir, self.rank, self.armed, self.killed = run_dir, rank, False, threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith("resize dp"):
-            self.armed = True
-        elif self.armed and "joining a process group" in message:
-            self.armed = False
-            threading.Timer(0.5, self.kill).start()
-
-    def kill(self) -> None:
-        signal_rank(self.run_dir, self.rank, signal.SIGKILL)
-        self.killed.set()
-
-
 @pytest.mark.slow
 def test_kill_during_a_grow_leaves_at_once(cluster, tmp_path):
     """An elastic run starts on two replicas (a placement group holds the third node), grows to
@@ -153,21 +129,11 @@ def test_kill_during_a_grow_leaves_at_once(cluster, tmp_path):
     holder = placement_group([{"CPU": 2}], strategy="STRICT_PACK")
     ray.get(holder.ready(), timeout=60)
     run_dir = tmp_path / "run"
-    watch = KillInGrow(run_dir, rank=1)
-    loggers = [logging.getLogger("rayhybrid"), logging.getLogger("rayhybrid.cluster.group")]
-    level = loggers[1].level
-    loggers[1].setLevel(logging.DEBUG)
-    for logger in loggers:
-        logger.addHandler(watch)
-    try:
+    with KillInJoin(run_dir, rank=1, after="resize dp") as watch:  # the grow's join
         thread, result = in_background([*COMMON, *ELASTIC, f"train.steps={steps}"], run_dir)
         when_step(run_dir, 3)
         remove_placement_group(holder)
         thread.join(timeout=600)
-    finally:
-        for logger in loggers:
-            logger.removeHandler(watch)
-        loggers[1].setLevel(level)
     summary = result.get("summary")
     assert summary is not None, result.get("error")
     assert watch.killed.is_set() and summary["status"] == "completed"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import rayhybrid
 from tests.test_recovery import (  # noqa: F401 - local_ray: the module's Ray, shared with test_recovery
     COMMON,
     EVAL,
+    KillInJoin,
     Logged,
     events,
     in_background,
@@ -138,45 +138,16 @@ def test_failures_back_to_back_are_each_healed(tmp_path, reference_dir):
     assert losses(run_dir) == losses(reference_dir)
 
 
-class KillAtJoin(logging.Handler):
-    """SIGKILLs `rank` of the run in `run_dir` `delay_s` after the driver starts the
-    `nth` join of its worker group (the moment it calls every rank's setup)."""
-
-    def __init__(self, run_dir: Path, rank: int, nth: int, delay_s: float) -> None:
-        super().__init__(logging.DEBUG)
-        self.run_dir, self.rank, self.nth, self.delay_s = run_dir, rank, nth, delay_s
-        self.joins, self.killed = 0, threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "joining a process group" not in record.getMessage():
-            return
-        self.joins += 1
-        if self.joins == self.nth:
-            threading.Timer(self.delay_s, self.kill).start()
-
-    def kill(self) -> None:
-        signal_rank(self.run_dir, self.rank, signal.SIGKILL)
-        self.killed.set()
-
-
 def test_kill_during_the_join_of_a_recovery_leaves_at_once_and_heals(tmp_path, reference_dir):
     """Rank 1 dies at step 5; half a second into the recovery's join, rank 2 is SIGKILLed from
-    outside (killed as the join begins, it passed too, 0 steps redone). The other ranks were waiting for it in the rendezvous; the
-    driver closes the rendezvous store, they leave at once, and the next recovery heals both
+    outside (killed as the join begins, it passed too, 0 steps redone). The other ranks were
+    waiting for it in the rendezvous; the driver closes the rendezvous store, they leave at once, and the next recovery heals both
     ranks from the copies that rank 0 (tp0) and rank 3 (tp1) kept. Before, they stayed blocked
     for the join's timeout and were replaced, and the run went back to its checkpoint."""
     run_dir = tmp_path / "run"
-    watch = KillAtJoin(run_dir, rank=2, nth=2, delay_s=0.5)
-    logger = logging.getLogger("rayhybrid.cluster.group")
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(watch)
-    try:
+    with KillInJoin(run_dir, rank=2, nth=2, delay_s=0.5) as watch:
         thread, result = in_background([*TOPOLOGY, "fault.inject=[kill@5:1]"], run_dir)
         summary = finished(result, thread)
-    finally:
-        logger.removeHandler(watch)
-        logger.setLevel(level)
     assert watch.killed.is_set()
     first, second = summary["recoveries"]
     assert "interrupted" in first and "interrupted" not in second, summary["recoveries"]

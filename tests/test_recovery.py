@@ -230,6 +230,44 @@ class Logged(logging.Handler):
             self.seen.set()
 
 
+class KillInJoin(logging.Handler):
+    """SIGKILLs `rank` of the run in `run_dir` `delay_s` after the driver starts the `nth` join
+    of its worker group (the moment it calls every rank's setup), counting joins from the first
+    driver line containing `after` (None: from the start). Use it `with` the run: it listens to
+    the driver's "rayhybrid" logger, the group's join lines (debug) included."""
+
+    JOIN = "joining a process group"
+
+    def __init__(self, run_dir: Path, rank: int, nth: int = 1, delay_s: float = 0.5, after: str | None = None):
+        super().__init__(logging.DEBUG)
+        self.run_dir, self.rank, self.nth, self.delay_s, self.after = run_dir, rank, nth, delay_s, after
+        self.joins, self.killed = 0, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if self.after is not None and self.after in message:
+            self.after = None  # armed
+        elif self.after is None and self.JOIN in message:
+            self.joins += 1
+            if self.joins == self.nth:
+                threading.Timer(self.delay_s, self.kill).start()
+
+    def kill(self) -> None:
+        signal_rank(self.run_dir, self.rank, signal.SIGKILL)
+        self.killed.set()
+
+    def __enter__(self):
+        self.group_logger = logging.getLogger("rayhybrid.cluster.group")
+        self.level = self.group_logger.level
+        self.group_logger.setLevel(logging.DEBUG)  # its join lines reach "rayhybrid" by propagation
+        logging.getLogger("rayhybrid").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("rayhybrid").removeHandler(self)
+        self.group_logger.setLevel(self.level)
+
+
 def test_sigkill_during_an_upload_leaves_at_once(tmp_path, reference):
     """Issue 28's bug: dp2_pp2_tp2, rank 3 SIGKILLed from outside as soon as the driver says
     step 6 is uploading. Before the fix the survivors' upload threads blocked in DCP's
