@@ -17,6 +17,7 @@ import pytest
 
 from rayhybrid.config.goodput import compose_goodput, given
 from rayhybrid.driver.policies import Decision, FailurePolicy, HealPolicy, ScalingPolicy
+from rayhybrid.errors import ConfigError
 from rayhybrid.goodput.__main__ import main
 from rayhybrid.goodput.engine import CAUSES
 from rayhybrid.goodput.from_run import apply_run
@@ -312,3 +313,34 @@ def test_a_bad_from_run_is_one_line_and_exit_code_2(case, tmp_path, capsys):
 def test_paths_reach_their_setting_as_typed(key, path):
     """Paths are quoted for Hydra's grammar as prepare's are (brackets, commas, braces, quotes)."""
     assert getattr(compose_goodput([f"{key}={path}"]), key) == path
+
+
+@pytest.mark.parametrize("field", ["restore_s", "detect_s", "first_step_s"])
+def test_a_restart_record_without_a_field_is_one_line_naming_it_and_exit_code_2(field, tmp_path, capsys):
+    """A figure missing from a restart record is an error naming the field, not a cost of 0."""
+    restarts = [dict(RESTARTS[0]), *RESTARTS[1:]]
+    del restarts[0][field]
+    run = fake_run(tmp_path, restarts)
+    with pytest.raises(SystemExit) as exit_:
+        main(["gpus=1024", "days=1", f"from_run={run}", f"output_dir={tmp_path / 'out'}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error: from_run:" in err, err
+    assert f"the restart record of restart 1 has no '{field}'" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_or_step_record_without_a_field_names_it(tmp_path):
+    run = fake_run(tmp_path)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    argv = ["gpus=1024", f"from_run={run}"]
+    for record, field, text in (
+        (next(r for r in records if r.get("event") == "checkpoint"), "upload_s", "checkpoint record of step 10"),
+        (next(r for r in reversed(records) if "loss" in r), "dp", "step record of step 30"),
+    ):
+        value = record.pop(field)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        with pytest.raises(ConfigError) as err:
+            apply_run(compose_goodput(argv), given(argv))
+        assert err.value.setting == "from_run" and f"{text} has no '{field}'" in str(err.value)
+        record[field] = value

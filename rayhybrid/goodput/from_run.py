@@ -24,7 +24,9 @@ that record field or without such a restart); heal_s keeps its setting when no r
 The checkpoint's bytes are the sizes in the newest committed checkpoint's meta.json ("files"),
 found by rayhybrid's own `checkpoints.latest` (any store) under summary.json's checkpoint_dir;
 `costs.checkpoint_gb` is the simulated model's, else the run's. Without a readable meta.json,
-restore and save are not scaled. Costs given on the command line are kept as given.
+restore and save are not scaled. Costs given on the command line are kept as given. A record
+without a figure this reads (a restart's timings, a reported save's upload_s and async, the last
+step's dp, pp and tp) is a ConfigError naming the field, never a cost of 0.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from rayhybrid.storage import checkpoints as checkpoint_store
 
 FIX = "give the directory of a rayhybrid run with at least one restart (its metrics.jsonl has restart records)"
 MEASURED = ("detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")
+SAVE_FIELDS = ("upload_s", "async")
+"""What a checkpoint record that reports its save (blocked_s not null) must hold besides."""
 
 
 def fail(message: str) -> ConfigError:
@@ -59,9 +63,45 @@ def read_records(run_dir: Path) -> list[dict]:
         raise fail(f"cannot read {path} ({type(err).__name__})") from None
 
 
+def holds(key: str, value: object) -> bool:
+    """A figure from_run reads: a number (never a boolean), or for "async" a boolean."""
+    return (
+        isinstance(value, bool) if key == "async" else isinstance(value, (int, float)) and not isinstance(value, bool)
+    )
+
+
+def require(path: Path, records: list[dict], kind: str, fields: tuple[str, ...]) -> None:
+    """Every record holds each of `fields`; else a ConfigError naming the first field missing:
+    a missing figure is never taken as 0."""
+    for record in records:
+        for key in (k for k in fields if not holds(k, record.get(k))):
+            what = "has no" if key not in record else f"has {json.dumps(record[key])} for"
+            which = f"restart {record.get('restart', '?')}" if kind == "restart" else f"step {record.get('step', '?')}"
+            raise ConfigError(
+                "from_run",
+                f"{path}: the {kind} record of {which} {what} {key!r}; "
+                f"give a run whose {kind} records hold {', '.join(fields)} (as this rayhybrid writes them)",
+            )
+
+
 def median(records: list[dict], key: str) -> float:
-    values = [float(r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    values = [float(r[key]) for r in records]
     return statistics.median(values) if values else 0.0
+
+
+def measured_records(run_dir: Path, records: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """The restart records, the checkpoint records that report their save, the step records;
+    a ConfigError when there is no restart, or a record lacks a figure this reads."""
+    restarts = [r for r in records if r.get("event") == "restart"]
+    saves = [r for r in records if r.get("event") == "checkpoint" and r.get("blocked_s") is not None]
+    steps = [r for r in records if "event" not in r and "step_time_s" in r]
+    path = run_dir / "metrics.jsonl"
+    if not restarts:
+        raise fail(f"{path} has no restart records")
+    require(path, restarts, "restart", MEASURED)
+    require(path, saves, "checkpoint", SAVE_FIELDS)
+    require(path, steps[-1:], "step", ("dp", "pp", "tp"))
+    return restarts, saves, steps
 
 
 def committed_meta(run_dir: Path, checkpoints: list[dict]) -> tuple[str, dict] | None:
@@ -87,11 +127,7 @@ def apply_run(cfg: GoodputConfig, given: set[str]) -> tuple[GoodputConfig, dict]
     gpus = cfg.gpus // cfg.replica_gpus * cfg.replica_gpus
     run_dir = Path(cfg.from_run).expanduser()
     records = read_records(run_dir)
-    restarts = [r for r in records if r.get("event") == "restart"]
-    saves = [r for r in records if r.get("event") == "checkpoint" and r.get("blocked_s") is not None]
-    steps = [r for r in records if "event" not in r and "step_time_s" in r]
-    if not restarts:
-        raise fail(f"{run_dir / 'metrics.jsonl'} has no restart records")
+    restarts, saves, steps = measured_records(run_dir, records)
     last = steps[-1] if steps else {}
     ranks = int(last.get("dp", 1)) * int(last.get("pp", 1)) * int(last.get("tp", 1))
     healed = [r for r in restarts if r.get("healed") == "peer"]
