@@ -5,6 +5,7 @@ run directory (from_run), goodput.png, and the command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -183,6 +184,20 @@ def test_a_bad_setting_is_one_line_and_exit_code_2(argv, setting, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"error: {setting}:" in err
+
+
+def test_the_strategy_setting_and_the_simulator_read_one_list(monkeypatch):
+    """config/goodput.py's STRATEGIES is the only list: take one out and neither the setting's
+    check nor strategy=all knows it; every strategy's fallback cost is a costs.* field."""
+    from rayhybrid.config import goodput as settings
+
+    costs = {f.name for f in dataclasses.fields(settings.CostsConfig)}
+    assert all(s.fallback_cost in costs for s in settings.STRATEGIES.values())
+    monkeypatch.delitem(settings.STRATEGIES, "elastic")
+    with pytest.raises(ConfigError, match="'elastic' is not a strategy"):
+        compose_goodput(["strategy=elastic"])
+    result = simulate(compose_goodput(["gpus=1024", "days=1", "failures=llama3"]))
+    assert list(result.strategies) == ["restart_all", "replace_failed", "peer_heal", "elastic_no_spares"]
 
 
 def test_help_lists_every_setting_on_one_line(capsys):

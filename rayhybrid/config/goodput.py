@@ -24,7 +24,34 @@ from rayhybrid.errors import ConfigError
 
 CONFIG_NAME = "goodput"
 PRESETS = ("exponential", "llama3", "meta")
-STRATEGIES = ("restart_all", "replace_failed", "peer_heal", "elastic", "elastic_no_spares")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One option of the `strategy` setting: how a run recovers (rayhybrid/goodput/engine.py runs it)."""
+
+    name: str
+    fallback_cost: str
+    """The costs.* field that is the downtime of going back to the checkpoint."""
+    heal: bool = False
+    """Heal failed ranks from a data-parallel peer when one holds the state (no work lost)."""
+    elastic: bool = False
+    """Shrink when no node replaces a failed one, grow back at a save (rayhybrid's elastic.*)."""
+    spares: bool = True
+    """Starts with spares.nodes spare nodes (else only repaired nodes come back)."""
+
+
+STRATEGIES = {
+    s.name: s
+    for s in (
+        Strategy("restart_all", "restart_s"),
+        Strategy("replace_failed", "replace_s"),
+        Strategy("peer_heal", "replace_s", heal=True),
+        Strategy("elastic", "restart_s", elastic=True),
+        Strategy("elastic_no_spares", "restart_s", elastic=True, spares=False),
+    )
+}
+"""The strategies, by name: the one list that `strategy=` is checked against and the simulator runs."""
 
 
 @dataclass(frozen=True)

@@ -19,38 +19,13 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from rayhybrid.config.goodput import CostsConfig
+from rayhybrid.config.goodput import CostsConfig, Strategy
 from rayhybrid.driver.policies import Failure, FailurePolicy, HealPolicy, ScalingPolicy
 from rayhybrid.goodput.failures import Category, Trace
 
 CAUSES = ("detection", "restart", "redone_work", "checkpoint", "waiting_for_nodes", "stopped")
 RUN, SAVE, RECOVER, WAIT, STOPPED = range(5)
 INF = math.inf
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    fallback_cost: str
-    """The costs.* field that is the downtime of going back to the checkpoint."""
-    heal: bool = False
-    """Heal failed ranks from a data-parallel peer when one holds the state (no work lost)."""
-    elastic: bool = False
-    """Shrink when no node replaces a failed one, grow back at a save (rayhybrid's elastic.*)."""
-    spares: bool = True
-    """Starts with spares.nodes spare nodes (else only repaired nodes come back)."""
-
-
-STRATEGIES = {
-    s.name: s
-    for s in (
-        Strategy("restart_all", "restart_s"),
-        Strategy("replace_failed", "replace_s"),
-        Strategy("peer_heal", "replace_s", heal=True),
-        Strategy("elastic", "restart_s", elastic=True),
-        Strategy("elastic_no_spares", "restart_s", elastic=True, spares=False),
-    )
-}
 
 
 @dataclass(frozen=True)

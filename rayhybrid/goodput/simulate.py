@@ -10,10 +10,10 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from rayhybrid.config.goodput import GoodputConfig
+from rayhybrid.config.goodput import STRATEGIES, GoodputConfig, Strategy
 from rayhybrid.driver.policies import FailurePolicy
 from rayhybrid.errors import ConfigError
-from rayhybrid.goodput.engine import CAUSES, STRATEGIES, Job, Outcome, Simulation, Strategy
+from rayhybrid.goodput.engine import CAUSES, Job, Outcome, Simulation
 from rayhybrid.goodput.failures import categories, draw_trace, job_rate_per_s
 from rayhybrid.goodput.interval import optimal_interval
 
