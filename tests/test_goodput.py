@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from rayhybrid.config.goodput import compose_goodput, given
+from rayhybrid.config.goodput import STRATEGIES, compose_goodput, given
 from rayhybrid.driver.policies import Decision, FailurePolicy, HealPolicy, ScalingPolicy
 from rayhybrid.errors import ConfigError
 from rayhybrid.goodput.__main__ import main
 from rayhybrid.goodput.engine import CAUSES
 from rayhybrid.goodput.from_run import apply_run
-from rayhybrid.goodput.simulate import simulate
+from rayhybrid.goodput.simulate import build_job, fallback_mtbf_s, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,6 +104,42 @@ def test_the_simulation_calls_the_drivers_heal_policy(monkeypatch):
     after = simulate(compose_goodput(overrides)).strategies["peer_heal"]
     assert after.counts["heals"] == 0 and after.counts["fallbacks"] == after.counts["restarts"]
     assert after.effective_time < before.effective_time
+
+
+def test_peer_heals_recommended_interval_asks_the_drivers_heal_policy(monkeypatch):
+    """peer_heal's interval is for the failures that HealPolicy sends back to the checkpoint: a
+    policy that never heals gives replace_failed's interval."""
+    overrides = small("strategy=all", "replica_gpus=64", "days=2")
+    before = simulate(compose_goodput(overrides)).strategies
+    healing = before["peer_heal"].recommended_checkpoint_interval_s
+    fallback = before["replace_failed"].recommended_checkpoint_interval_s
+    assert healing > 2 * fallback
+
+    monkeypatch.setattr(HealPolicy, "choose", lambda self, copies, checkpoint_step=None: None)
+    after = simulate(compose_goodput(overrides)).strategies
+    assert after["peer_heal"].recommended_checkpoint_interval_s == pytest.approx(fallback)
+
+
+@pytest.mark.parametrize(("replica_gpus", "dp"), [(512, 2), (256, 4)])
+def test_peer_heals_fallbacks_are_those_the_simulation_has(replica_gpus, dp):
+    """The interval's fallback rate against the simulated fallbacks, with heals of 30 min under
+    a failure every 2 h, so that failures often strike during a heal. At dp 2 one on the other
+    replica leaves no copy (one on the replica being healed does); at dp 4 a third replica still
+    holds one, so (to first order) none falls back. The rule the interval had restated counted
+    every failure during a heal as a fallback: 109 per trace for both."""
+    cfg = compose_goodput(
+        ["gpus=1024", f"replica_gpus={replica_gpus}", "days=40", "failures=exponential", "failures.mtbf_hours=2"]
+        + ["costs.heal_s=1800", "costs.detect_s=60", "spares.repair_hours=0", "strategy=peer_heal", "seeds=3"]
+        + ["checkpoint.interval_s=600"]
+    )
+    job, gpus = build_job(cfg)
+    assert job.dp == dp
+    predicted = cfg.days * 86400 / fallback_mtbf_s(STRATEGIES["peer_heal"], job, gpus)
+    simulated = simulate(cfg).strategies["peer_heal"].counts["fallbacks"]
+    if dp == 2:
+        assert simulated > 30 and predicted == pytest.approx(simulated, rel=0.25), (predicted, simulated)
+    else:
+        assert predicted < 1 and simulated < 3, (predicted, simulated)
 
 
 def test_the_simulation_calls_the_drivers_scaling_policy(monkeypatch):

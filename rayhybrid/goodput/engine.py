@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rayhybrid.config.goodput import CostsConfig, Strategy
@@ -76,6 +77,16 @@ def cause(index: int) -> str:
         index, rest = divmod(index - 1, 26)
         letters = chr(ord("a") + rest) + letters
     return f"cause {letters}"
+
+
+def shard_heals(
+    policy: HealPolicy, replicas: Sequence[int], lost: set[int], peers_survive: bool, step: int = 1, saved: int = 0
+) -> bool:
+    """Whether rayhybrid's heal policy heals the failed shard, whose copies are one per replica in
+    `replicas` at `step` (the checkpoint's at `saved`): those of the `lost` replicas are gone, and
+    every copy when the failure leaves no peer with the state (`Category.peers_survive`)."""
+    copies = [None if not peers_survive or r in lost else step for r in replicas]
+    return policy.choose({"failed shard": copies}, saved) is not None
 
 
 class Simulation:
@@ -199,14 +210,13 @@ class Simulation:
         self.wait(detect, cost)
 
     def heals(self, cat: Category, node: int) -> bool:
-        """rayhybrid's heal policy on the failed shard's copies, one per replica in use: the failed
-        replica's is lost (every copy, when the failure leaves no peer with the state), and so
-        is that of a replica a heal under way had not reached yet."""
+        """rayhybrid's heal policy on the failed shard's copies (`shard_heals`), one per replica in
+        use: the failed replica's is lost, and so is that of a replica a heal under way had not
+        reached yet."""
         replica = node // self.job.nodes_per_replica if node >= 0 else self.active[0]
         lost = {replica} | (self.healing if self.phase in (RECOVER, WAIT) else set())
-        step = int(self.pos // self.c.step_s)
-        copies = [None if not cat.peers_survive or r in lost else step for r in self.active]
-        if self.job.heal_policy.choose({"failed shard": copies}, int(self.saved // self.c.step_s)) is None:
+        step, saved = int(self.pos // self.c.step_s), int(self.saved // self.c.step_s)
+        if not shard_heals(self.job.heal_policy, self.active, lost, cat.peers_survive, step, saved):
             return False
         self.healing = lost
         return True

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from rayhybrid.config.goodput import STRATEGIES, GoodputConfig, Strategy
 from rayhybrid.driver.policies import FailurePolicy
 from rayhybrid.errors import ConfigError
-from rayhybrid.goodput.engine import CAUSES, Job, Outcome, Simulation
-from rayhybrid.goodput.failures import categories, draw_trace, job_rate_per_s
+from rayhybrid.goodput.engine import CAUSES, Job, Outcome, Simulation, shard_heals
+from rayhybrid.goodput.failures import Category, categories, draw_trace, job_rate_per_s
 from rayhybrid.goodput.interval import optimal_interval
 
 
@@ -68,18 +68,31 @@ def build_job(cfg: GoodputConfig) -> tuple[Job, int]:
 
 
 def fallback_mtbf_s(strategy: Strategy, job: Job, gpus: int) -> float:
-    """Mean seconds between failures that send `strategy` back to its checkpoint. Every one
-    does, except for peer healing: there only those that leave no peer with the state, and
-    those that strike while a heal is under way (the heal then falls back)."""
+    """Mean seconds between failures that send `strategy` back to its checkpoint. Every failure
+    does, except with peer healing, where rayhybrid's `HealPolicy` says which, asked as the
+    simulation asks it (`shard_heals`): a failure of a category falls back when the policy finds
+    no copy of the failed shard with the failed replica's copy lost; one that strikes while a heal
+    is under way (within detection + costs.heal_s of a heal: first order, one heal at a time)
+    and on another replica (chance (dp-1)/dp) when it finds none with that heal's replica lost too."""
     rate = job_rate_per_s(job.categories, gpus)
-    if not strategy.heal or job.dp < 2:
+    if not strategy.heal:
         return 1.0 / rate
-    no_peer = job_rate_per_s([c for c in job.categories if not c.peers_survive], gpus)
-    detect = sum(
-        (job.costs.hang_detect_s if c.hang else job.costs.detect_s) * c.per_gpu_hour for c in job.categories
-    ) / sum(c.per_gpu_hour for c in job.categories)
-    overlap = -math.expm1(-rate * (detect + job.costs.heal_s))
-    fallback = no_peer + (rate - no_peer) * overlap
+    replicas = range(job.dp)
+
+    def falls_back(c: Category, lost: set[int]) -> bool:
+        return not shard_heals(job.heal_policy, replicas, lost, c.peers_survive)
+
+    alone = {c.name: falls_back(c, {0}) for c in job.categories}
+    during = {c.name: falls_back(c, {0, 1}) if job.dp > 1 else alone[c.name] for c in job.categories}
+    healing = [c for c in job.categories if not alone[c.name]]
+    heal_rate = job_rate_per_s(healing, gpus)
+    window = job.costs.heal_s + sum(
+        (job.costs.hang_detect_s if c.hang else job.costs.detect_s) * c.per_gpu_hour for c in healing
+    ) / max(sum(c.per_gpu_hour for c in healing), 1e-300)
+    overlap = -math.expm1(-heal_rate * window) * (job.dp - 1) / job.dp
+    fallback = sum(
+        job_rate_per_s([c], gpus) * (alone[c.name] + overlap * (during[c.name] - alone[c.name])) for c in job.categories
+    )
     return 1.0 / fallback if fallback > 0 else math.inf
 
 
