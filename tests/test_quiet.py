@@ -15,6 +15,7 @@ import ray._private.worker as ray_worker
 from ray._private.ray_logging import global_worker_stdstream_dispatcher
 
 from rayhybrid.cluster.connect import connect, local_system_config
+from rayhybrid.driver import raytext
 from rayhybrid.driver.raytext import RayText
 from rayhybrid.preflight import load_config
 from tests.test_cli import run_cli
@@ -97,3 +98,32 @@ def test_ray_text_goes_to_the_run_log_until_the_run_ends(tmp_path, capsys):
     ):
         assert line in logged, logged
     assert "a print of the model's" not in logged
+
+
+@pytest.fixture
+def fresh_ray_internals():
+    """RayText looks Ray's private parts up once per process: again for this test, and after."""
+    raytext._ray_internals.cache_clear()
+    yield
+    raytext._ray_internals.cache_clear()
+
+
+def test_a_ray_without_its_private_printer_leaves_its_text_on_the_terminal(
+    tmp_path, caplog, monkeypatch, fresh_ray_internals
+):
+    """A Ray whose `print_to_stdstream` moved: the run goes on, Ray prints as it does, and the
+    log has one warning line saying so (once per process)."""
+    monkeypatch.delattr(ray_worker, "print_to_stdstream")
+    ray_logger = logging.getLogger("ray")
+    handlers = list(ray_logger.handlers)
+    dispatched = list(global_worker_stdstream_dispatcher.handlers)
+    caplog.set_level(logging.WARNING, logger="rayhybrid")
+    text = RayText(tmp_path)
+    RayText(tmp_path).close()  # a second run: no second warning
+    text.close()
+    assert not hasattr(ray_worker, "print_to_stdstream")  # nothing put in its place
+    assert ray_logger.handlers == handlers and list(global_worker_stdstream_dispatcher.handlers) == dispatched
+    assert RayText.open_runs == [] and not (tmp_path / "ray.log").exists()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "\n" not in warning and "Ray's own text stays on the terminal" in warning
+    assert "print_to_stdstream" in warning and "ray==2.60" in warning

@@ -9,11 +9,12 @@ import logging
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
-import ray._private.worker as ray_worker
-from ray._private import ray_constants
-from ray._private.ray_logging import global_worker_stdstream_dispatcher
+from rayhybrid.storage.store import one_line
+
+log = logging.getLogger("rayhybrid")
 
 
 class RayText:
@@ -37,7 +38,11 @@ class RayText:
     function is swapped (`_route`) while any run is open; the workers' lines come through
     Ray's dispatcher handler, and the records through the `ray` logger's handlers. When the
     last run closes, Ray prints as before (a notebook or a test reuses its Ray). With a
-    `ray://` address (Ray Client) the text comes through the client and still prints."""
+    `ray://` address (Ray Client) the text comes through the client and still prints.
+
+    All this uses Ray's private modules (`_ray_internals`). A Ray where one of them moved
+    routes nothing: the run goes on with Ray's text on the terminal, as Ray prints it, after
+    one warning line."""
 
     lock: ClassVar[threading.Lock] = threading.Lock()
     open_runs: ClassVar[list[RayText]] = []
@@ -46,9 +51,12 @@ class RayText:
     """While any run is open: Ray's `print_to_stdstream` and the `ray` logger's handlers."""
 
     def __init__(self, run_dir: Path) -> None:
+        self.ray = _ray_internals()
+        self.closed = self.ray is None  # nothing to route: Ray prints as it does
+        if self.closed:
+            return
         self.handler, self.own_handler = _run_log_handler(run_dir)
-        self.ray_was_up = ray_worker.global_worker.connected
-        self.closed = False
+        self.ray_was_up = self.ray.worker.global_worker.connected
         with RayText.lock:
             if not RayText.open_runs:
                 _install()
@@ -61,10 +69,10 @@ class RayText:
         if data.get("ip") and data.get("ip") != data.get("localhost"):
             source += f", ip={data['ip']}"
         if pid == "autoscaler":  # the monitor's whole log comes; Ray prints only its events
-            lines = ray_worker.filter_autoscaler_events(lines)
+            lines = self.ray.worker.filter_autoscaler_events(lines)
         level = logging.WARNING if pid == "raylet" else logging.INFO
         for line in lines:
-            text = line.split(ray_constants.LOG_PREFIX_INFO_MESSAGE)[-1]
+            text = line.split(self.ray.info_prefix)[-1]
             self.handler.handle(logging.LogRecord("ray", level, __file__, 0, "(%s) %s", (source, text), None))
 
     def close(self) -> None:
@@ -75,7 +83,7 @@ class RayText:
         if self.closed:
             return
         self.closed = True
-        node = ray_worker._global_node
+        node = self.ray.worker._global_node
         if not self.ray_was_up and node is not None and node.is_head():
             threading.Thread(target=self._end_after, args=(node,), name="rayhybrid-ray-text", daemon=True).start()
         else:
@@ -83,7 +91,7 @@ class RayText:
 
     def _end_after(self, node, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
-        while ray_worker._global_node is node and time.monotonic() < deadline:
+        while self.ray.worker._global_node is node and time.monotonic() < deadline:
             time.sleep(0.05)
         self._end()
 
@@ -101,11 +109,12 @@ def _route(data: dict, ignore_prefix: bool = False) -> None:
     """Ray's `print_to_stdstream` while a run is open: one batch of lines from one source, to
     the newest open run's log file, or as Ray prints it (the workers' stdout, tqdm_ray's bars,
     anything once no run is open)."""
+    ray = _ray_internals()
     with RayText.lock:
         run = RayText.open_runs[-1] if RayText.open_runs else None
-        printer = RayText.saved[0] if RayText.saved is not None else _RAY_PRINT
+        printer = RayText.saved[0] if RayText.saved is not None else ray.print_to_stdstream
     lines = data.get("lines", [])
-    magic = getattr(ray_worker, "RAY_TQDM_MAGIC", None)
+    magic = getattr(ray.worker, "RAY_TQDM_MAGIC", None)
     from_ray = data.get("pid") in ("raylet", "autoscaler")
     if run is not None and (from_ray or data.get("is_err")) and not (magic and any(magic in x for x in lines)):
         run.write(data, lines)
@@ -113,11 +122,37 @@ def _route(data: dict, ignore_prefix: bool = False) -> None:
         printer(data, ignore_prefix)
 
 
-_RAY_PRINT = ray_worker.print_to_stdstream
+@functools.cache
+def _ray_internals() -> SimpleNamespace | None:
+    """Ray's private parts that RayText uses, looked up when the first run opens: None, after
+    one warning line, in a Ray where one has moved (tests/test_private_apis.py lists them)."""
+    try:
+        from ray._private import ray_constants, worker
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        for name in ("_global_node", "filter_autoscaler_events"):
+            getattr(worker, name)
+        worker.global_worker.connected  # noqa: B018 - looked up: a moved one is an AttributeError here
+        for name in ("handlers", "add_handler", "remove_handler"):
+            getattr(dispatcher, name)
+        return SimpleNamespace(
+            worker=worker,
+            print_to_stdstream=worker.print_to_stdstream,  # Ray's own, before any swap
+            info_prefix=ray_constants.LOG_PREFIX_INFO_MESSAGE,
+            dispatcher=dispatcher,
+        )
+    except (ImportError, AttributeError) as err:
+        log.warning(
+            "Ray's own text stays on the terminal, as Ray prints it: this Ray lacks what rayhybrid routes it with "
+            "(%s); rayhybrid is tested with ray==2.60.*",
+            one_line(err),
+        )
+        return None
 
 
 def _install() -> None:
     """Ray's text to `_route` (under RayText.lock, when the first run opens)."""
+    ray_worker = _ray_internals().worker
     ray_logger = logging.getLogger("ray")
     RayText.saved = (ray_worker.print_to_stdstream, list(ray_logger.handlers))
     ray_worker.print_to_stdstream = _route  # a ray.init from now on binds it for the workers' lines
@@ -129,6 +164,7 @@ def _install() -> None:
 
 def _uninstall() -> None:
     """Ray prints as before (under RayText.lock, when the last run closes)."""
+    ray_worker = _ray_internals().worker
     printer, handlers = RayText.saved
     RayText.saved = None
     if ray_worker.print_to_stdstream is _route:
@@ -143,7 +179,7 @@ def _uninstall() -> None:
 def _swap_dispatcher(old, new) -> None:
     """Ray's handler of the workers' lines (there while a driver with log_to_driver is
     connected) calls `new` where it called `old`."""
-    dispatcher = global_worker_stdstream_dispatcher
+    dispatcher = _ray_internals().dispatcher
     for name, handler in list(dispatcher.handlers):
         if name == "ray_print_logs" and isinstance(handler, functools.partial) and handler.func is old:
             dispatcher.remove_handler(name)
