@@ -118,6 +118,29 @@ def test_a_directory_is_shipped_as_working_dir_without_rayhybrids_outputs(tmp_pa
     assert files == ["src/outputs/kept.py", "train_helpers.py"] and shipped.files == 2
 
 
+def test_a_changed_ray_packaging_turns_shipping_off_with_one_warning_naming_the_fix(tmp_path, monkeypatch, caplog):
+    """Ray's private packaging changed its signature (measuring) or moved (uploading): shipping
+    is off, the run goes on, and one warning line names the fixes, once per cause."""
+    from ray._private.runtime_env import packaging, py_modules
+
+    monkeypatch.setattr(code, "_warned", set())
+    monkeypatch.setattr(packaging, "_dir_travel", lambda path, excludes, handler: None)  # no include_gitignore
+    proj = tmp_path / "proj"
+    write(proj / "train_helpers.py")
+    caplog.set_level(logging.WARNING, logger="rayhybrid")
+    assert code.shipment(cfg_for("", str(proj))) == []
+    assert code.shipment(cfg_for("", str(proj))) == []  # the same cause: no second line
+    monkeypatch.delattr(py_modules, "upload_py_modules_if_needed")
+    shipped = [code.Shipment(str(proj / "train_helpers.py"), "py_modules", 1, 10)]
+    assert code.runtime_env(shipped, {"A": "1"}) == {"env_vars": {"A": "1"}}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2 and all("\n" not in w for w in warnings), warnings
+    assert "TypeError" in warnings[0] and "ImportError" in warnings[1]
+    for warning, path in zip(warnings, (proj.resolve(), proj / "train_helpers.py"), strict=True):
+        assert warning.startswith("cluster.code: shipping is off") and f"install {path} on every node" in warning
+        assert "ray==2.60" in warning
+
+
 def test_files_over_the_limit_are_refused_with_one_line_naming_them(tmp_path, monkeypatch):
     src = tmp_path / "src"
     write(src / "ship_big_d" / "__init__.py")

@@ -19,6 +19,11 @@ Ray's own packaging: content-addressed (unchanged code is not uploaded again), `
 `shipment(cfg)` decides what to ship and checks its files' sizes (no Ray: a file over
 `cluster.code_max_file_mb` is a one-line ConfigError); `runtime_env` uploads it and returns the
 workers' runtime environment.
+
+Ray's packaging is private (`ray._private.runtime_env`, tests/test_private_apis.py lists what
+is used). In a Ray where it moved or changed its signature, shipping is off after one warning
+line that names the fixes (install the code on every node, or the tested Ray), and the run goes
+on without it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,23 @@ _RAY_LOG.setLevel(logging.ERROR)
 OFF = ("off", "false")
 _announced: set[tuple[str, ...]] = set()
 
+RAY_CHANGED = (ImportError, AttributeError, TypeError)
+"""What a moved or changed private part of Ray's packaging raises (TypeError: a signature)."""
+_warned: set[str] = set()
+
+
+def shipping_off(err: BaseException, paths) -> None:
+    """Ray's packaging changed: one warning line (once per cause) naming the fixes."""
+    why = one_line(err)
+    if why not in _warned:
+        _warned.add(why)
+        log.warning(
+            "cluster.code: shipping is off, this Ray's packaging (ray._private.runtime_env) changed (%s); "
+            "install %s on every node, or use the Ray rayhybrid is tested with (ray==2.60.*)",
+            why,
+            " and ".join(paths) or "the model's code",
+        )
+
 
 @dataclass(frozen=True)
 class Shipment:
@@ -71,7 +93,11 @@ def shipment(cfg: Config) -> list[Shipment]:
     else:
         root = Path(choice).expanduser().resolve()
         wanted = [Shipment(str(root), "working_dir", excludes=own_outputs(cfg, root))]
-    return [_measured(s, cfg.cluster.code_max_file_mb) for s in wanted]
+    try:
+        return [_measured(s, cfg.cluster.code_max_file_mb) for s in wanted]
+    except RAY_CHANGED as err:
+        shipping_off(err, [s.path for s in wanted])
+        return []
 
 
 def auto_paths(cfg: Config) -> list[str]:
@@ -111,7 +137,10 @@ def runtime_env(shipped: list[Shipment], env_vars: dict[str, str] | None = None)
     its URIs, after the job's own `py_modules`, and `env_vars`; None when empty. Needs Ray."""
     out: dict = {}
     if shipped:
-        out = _upload(shipped)
+        try:
+            out = _upload(shipped)
+        except RAY_CHANGED as err:
+            shipping_off(err, [s.path for s in shipped])
         if "py_modules" in out:
             job = _current_runtime_env().get("py_modules") or []
             out["py_modules"] = [*job, *[uri for uri in out["py_modules"] if uri not in job]]
