@@ -355,3 +355,33 @@ def test_a_bad_poll_interval_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"cluster.spot_poll_s: must be positive, got 0"):
         validate(to_config(compose(["cluster.spot_poll_s=0"])))
+
+
+def test_the_drain_reason_is_rays_own_preemption_member(monkeypatch):
+    """The watcher actor asks Ray to drain its node with the reason from Ray's own enum
+    (`DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION` of its autoscaler protobuf), read when it
+    drains, never a copied number: with the enum's member renumbered, the new number goes."""
+    import ray._raylet
+    from ray.core.generated import autoscaler_pb2
+
+    from rayhybrid.cluster.spot_watch import NodeSpotWatch
+
+    calls = []
+
+    class Gcs:
+        def __init__(self, address):
+            self.address = address
+
+        def drain_node(self, *args):
+            calls.append((self.address, *args))
+            return True, ""
+
+    monkeypatch.setattr(ray._raylet, "GcsClient", Gcs)
+    watch = NodeSpotWatch("127.0.0.1:6379", "ab" * 28, interval_s=5.0)
+    notice = Notice("gcp", 1000.5, "instance/preempted TRUE")
+    watch._drain(notice)
+    real = autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION
+    assert calls == [("127.0.0.1:6379", "ab" * 28, real, "gcp spot notice: instance/preempted TRUE", 1000500)]
+    monkeypatch.setattr(autoscaler_pb2, "DrainNodeReason", type("Reasons", (), {"DRAIN_NODE_REASON_PREEMPTION": 7}))
+    watch._drain(notice)
+    assert calls[-1][2] == 7

@@ -24,8 +24,13 @@ from rayhybrid.cluster.spot import Notice, SpotWatcher
 
 log = logging.getLogger("rayhybrid")
 
-PREEMPTION = 2
-"""`autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION`."""
+
+def preemption_reason() -> int:
+    """Ray's drain reason for a preemption: its own enum's member (Ray's autoscaler protobuf,
+    `DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION`), never a copied number."""
+    from ray.core.generated.autoscaler_pb2 import DrainNodeReason
+
+    return DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION
 
 
 class NodeSpotWatch:
@@ -46,7 +51,9 @@ class NodeSpotWatch:
 
         message = f"{notice.cloud} spot notice: {notice.detail}"
         deadline_ms = int(notice.deadline_s * 1000)
-        accepted, why = GcsClient(address=self.gcs_address).drain_node(self.node_id, PREEMPTION, message, deadline_ms)
+        accepted, why = GcsClient(address=self.gcs_address).drain_node(
+            self.node_id, preemption_reason(), message, deadline_ms
+        )
         if not accepted:
             log.warning("node %s: Ray refused to drain it after a spot notice: %s", self.node_id[:8], why)
 
