@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -49,3 +50,38 @@ def test_nccl_single_rank_group():
         assert t.tolist() == [1.0] * 4
     finally:
         dist.destroy_process_group()
+
+
+def test_torch_internals_that_moved_skip_their_feature_with_one_warning(monkeypatch, caplog):
+    """mesh.py's uses of torch internals (c10d's default timeouts and `_world`, DTensor's caches)
+    check that each is there: in a torch where one moved, the feature is skipped with one
+    warning naming it and what is lost, and nothing is assigned that torch would not read."""
+    from types import SimpleNamespace
+
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.tensor import _redistribute
+
+    from rayhybrid.parallel import mesh
+
+    monkeypatch.setattr(mesh, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="rayhybrid")
+    monkeypatch.delattr(c10d, "default_pg_nccl_timeout")
+    default = c10d.default_pg_timeout
+    for _ in range(2):
+        with mesh.joining(60.0, timeout_s=1.0):
+            assert c10d.default_pg_timeout == default  # not shortened: it could not be put back per group
+    with monkeypatch.context() as patch:
+        patch.setattr(c10d, "_world", SimpleNamespace(pg_map={}))  # group_count renamed
+        mesh.forget_group_names()
+        assert not hasattr(c10d._world, "group_count")
+    monkeypatch.delattr(_redistribute, "_gen_transform_infos")
+    cleared = []
+    monkeypatch.setattr(_redistribute, "clear_redistribute_planner_cache", lambda: cleared.append(1))
+    mesh.forget_meshes()
+    assert cleared == [1]  # the caches still there are cleared
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 3 and all("\n" not in w and "torch==2.13.0" in w for w in warnings), warnings
+    join, names, caches = warnings
+    assert "torch's default timeout" in join and f"{mesh.C10D}.default_pg_nccl_timeout" in join
+    assert "name the next world's groups" in names and f"{mesh.C10D}._world.group_count" in names
+    assert "cached mesh" in caches and "torch.distributed.tensor._redistribute._gen_transform_infos" in caches

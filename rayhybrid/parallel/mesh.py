@@ -2,11 +2,18 @@
 
 torch is imported where it is used: the device choice (`choose_device`) needs none, so a rank
 reports what it would choose (`TrainWorker.placement`, cluster/worker.py) without the seconds
-that importing torch takes."""
+that importing torch takes.
+
+`joining`, `forget_group_names` and `forget_meshes` set or clear torch internals (c10d's
+`_world`, DTensor's caches; tests/test_private_apis.py lists them). Each checks that they are
+there first: in a torch where one was renamed, the feature is skipped after one warning line
+naming what is lost, instead of an assignment that silently does nothing."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +24,68 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("dp", "pp", "tp")
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _lacking(what_is_lost: str, missing: list[str]) -> bool:
+    """Whether torch lacks any of `missing` (the names not found); warns once per loss."""
+    if missing and what_is_lost not in _warned:
+        _warned.add(what_is_lost)
+        log.warning(
+            "%s: this torch lacks %s (rayhybrid is tested with torch==2.13.0)", what_is_lost, ", ".join(missing)
+        )
+    return bool(missing)
+
+
+_MISSING = object()
+
+
+def _lookup(path: str):
+    """The object at dotted `path` (a module, then attributes); `_MISSING` when it is not there."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return _MISSING
+        return obj
+    return _MISSING
+
+
+def _missing(paths) -> list[str]:
+    return [path for path in paths if _lookup(path) is _MISSING]
+
+
+C10D = "torch.distributed.distributed_c10d"
+JOIN_INTERNALS = tuple(
+    f"{C10D}.{name}"
+    for name in (
+        "default_pg_timeout",
+        "default_pg_nccl_timeout",
+        "_world.pg_map",
+        "_set_pg_timeout",
+        "_get_default_timeout",
+        "GroupMember.WORLD",
+    )
+)
+"""What `joining` sets and reads: without any, groups form under torch's own timeout."""
+GROUP_COUNT = f"{C10D}._world.group_count"
+"""What `forget_group_names` resets."""
+MESH_CACHES = (
+    "torch.distributed.tensor.debug._clear_sharding_prop_cache",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear",
+    "torch.distributed.tensor._redistribute._gen_transform_infos.cache_clear",
+    "torch.distributed.tensor._redistribute.clear_redistribute_planner_cache",
+    "torch.distributed.tensor._collective_utils.MeshTopoInfo.build_from_mesh.cache_clear",
+)
+"""The caches keyed by mesh that `forget_meshes` clears (each called)."""
 
 
 def select_backend(device: torch.device | DeviceChoice) -> str:
@@ -119,6 +188,10 @@ def joining(collective_s: float, timeout_s: float = JOIN_TIMEOUT_S):
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    lost = "process groups form under torch's default timeout, not the short join timeout"
+    if _lacking(lost, _missing(JOIN_INTERNALS)):
+        yield
+        return
     defaults = c10d.default_pg_timeout, c10d.default_pg_nccl_timeout
     short = timedelta(seconds=timeout_s)
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = short
@@ -149,7 +222,9 @@ def forget_group_names() -> None:
     next world one higher than the others do, and wait for keys no other rank writes."""
     from torch.distributed import distributed_c10d as c10d
 
-    c10d._world.group_count = 0
+    lost = "after a failed join this rank may name the next world's groups unlike the others do (the join times out)"
+    if not _lacking(lost, _missing([GROUP_COUNT])):
+        c10d._world.group_count = 0
 
 
 def forget_meshes() -> None:
@@ -167,15 +242,20 @@ def forget_meshes() -> None:
     import gc
 
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, _redistribute
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
-    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    MeshTopoInfo.build_from_mesh.cache_clear()
+    clears = {path: _lookup(path) for path in MESH_CACHES}  # the first: Python's cache and the C++ fast path's
+    for clear in clears.values():
+        if clear is not _MISSING:
+            clear()
+    lost = "a worker that joins a world of the same shape again may get a cached mesh of the old world's groups"
+    _lacking(lost, [path for path, clear in clears.items() if clear is _MISSING])
+    kept = 0
     for obj in gc.get_objects():
         if type(obj) is DeviceMesh:
-            getattr(obj, "_pg_registry", {}).clear()
+            registry = getattr(obj, "_pg_registry", None)
+            if registry is None:
+                kept += 1
+            else:
+                registry.clear()
+    lost = "the groups of a world left stay open, so a peer waits for its timeout instead of failing at once"
+    _lacking(lost, ["torch.distributed.device_mesh.DeviceMesh._pg_registry"] if kept else [])
