@@ -29,11 +29,16 @@ proxy settings of the environment are ignored: a metadata request never leaves t
 link. Bad settings (interval_s <= 0, an unknown cloud name, a base URL that is not http(s))
 raise ValueError.
 
-Wiring `drain` to Ray is done elsewhere, as is starting one watcher per node: it would call
-`ray._raylet.GcsClient(address).drain_node(node_id_hex, 2, message, deadline_ms)` (2 is
-`autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION`, `deadline_ms` is
-`int(notice.deadline_s * 1000)`; it answers `(is_accepted, rejection_message)`). The callback
-runs in the watcher's thread.
+This module knows nothing of Ray. rayhybrid/cluster/spot_watch.py wires `drain` to Ray:
+`NodeSpotWatch`, a small actor pinned to one node, holds a `SpotWatcher` whose callback calls
+`ray._raylet.GcsClient(address).drain_node(node_id_hex, reason, message, deadline_ms)` with the
+reason from Ray's own enum (`DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION`, `preemption_reason`)
+and `deadline_ms = int(notice.deadline_s * 1000)`; it answers `(is_accepted, rejection_message)`,
+and a refusal is logged. rayhybrid/driver/preemption.py starts them: `DrainWatch` probes the
+driver's own node for a cloud (`detect_cloud`, in the background, when `cluster.spot_notices`)
+and, if it finds one, calls `start_watchers` for each node the run uses that has none yet;
+from there the run's drain watch moves off a draining node. The callback runs in the watcher's
+thread.
 """
 
 from __future__ import annotations
