@@ -492,3 +492,106 @@ def test_bad_utf8_is_refused_from_inside_ray(tmp_path, tok_dir):
     proc = run_cli([f"input={raw}", f"output={tmp_path / 'out'}", f"tokenizer={tok_dir}"], tmp_path)
     assert_refused(proc, "input", "b.txt", "UTF-8")
     assert not (tmp_path / "out" / INDEX).exists()
+
+
+# -- a failure is reported at once, naming its file, without reading the corpus ---------------
+
+
+@contextlib.contextmanager
+def counted_opens(monkeypatch, root: Path, delay: float = 0.0):
+    """Every file under `root` this process (the driver) opens through fsspec, in order; each
+    open first sleeps `delay` seconds (a slow store). The Ray workers are other processes."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    opened, real = [], LocalFileSystem._open
+
+    def counting(self, path, *args, **kwargs):
+        if str(path).startswith(str(root)):
+            opened.append(str(path))
+            time.sleep(delay)
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "_open", counting)
+    yield opened
+
+
+def many_jsonl(root: Path, files: int, rows: int, text: str = "fine words") -> list[Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    paths = [root / f"part-{i:03d}.jsonl" for i in range(files)]
+    for path in paths:
+        path.write_text((json.dumps({"text": text}) + "\n") * rows)
+    return paths
+
+
+@pytest.mark.slow
+def test_a_bad_file_is_named_by_its_read_task_without_a_search(tmp_path, ray_local, tok_dir, monkeypatch):
+    """200 files, one of them (#150) with a line that is not JSON: the read task that meets it
+    names the file and the line, and the driver opens no input file but the first (the
+    check before Ray). Before, the driver searched the files one by one after the failure."""
+    from rayhybrid.prepare import prepare
+
+    paths = many_jsonl(tmp_path / "raw", 200, rows=4)
+    paths[150].write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": broken\n')
+    with counted_opens(monkeypatch, tmp_path / "raw") as opened, pytest.raises(ConfigError) as err:
+        prepare(config(tmp_path / "raw", tmp_path / "out", tok_dir))
+    assert err.value.setting == "input" and "part-150.jsonl line 3 is not JSON" in str(err.value), str(err.value)
+    assert opened == [str(paths[0])], f"the driver read {len(opened)} input files"
+    assert not list((tmp_path / "out").iterdir())
+
+
+def test_a_failure_that_names_no_file_searches_within_a_bound(tmp_path, monkeypatch):
+    """A failure of Ray's own (a lost actor: no file named) on a corpus of 200 good files: the
+    driver looks for a bad file only within the search's bounds, and the one-line error says
+    how far it looked; it does not read the corpus."""
+    from rayhybrid.errors import RayHybridError
+    from rayhybrid.prepare import inputs as inputs_module
+    from rayhybrid.prepare.run import refusal
+
+    many_jsonl(tmp_path / "raw", 200, rows=400)  # about 10 KB a file
+    listed = inputs_module.list_inputs(str(tmp_path / "raw"), "auto")
+    lost = RuntimeError("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.")
+    monkeypatch.setattr(inputs_module, "SEARCH_BYTES", 100_000, raising=False)  # 10 files' worth
+    with counted_opens(monkeypatch, tmp_path / "raw") as opened:
+        err = refusal(lost, listed, "text")
+    assert type(err) is RayHybridError and "\n" not in str(err), str(err)
+    assert str(err).startswith("prepare failed: RuntimeError: ray.exceptions.ActorDiedError"), str(err)
+    assert f"looked at {len(opened)} of 200 input files" in str(err) and "stopped there" in str(err), str(err)
+    assert 1 <= len(opened) <= 10, f"the driver read {len(opened)} input files"
+
+    # The time bound: a slow store (0.1 s an open) is searched for 0.3 s, not 20 s.
+    monkeypatch.setattr(inputs_module, "SEARCH_BYTES", 1 << 40, raising=False)
+    monkeypatch.setattr(inputs_module, "SEARCH_SECONDS", 0.3, raising=False)
+    start = time.monotonic()
+    with counted_opens(monkeypatch, tmp_path / "raw", delay=0.1) as opened:
+        err = refusal(lost, listed, "text")
+    assert time.monotonic() - start < 5 and len(opened) <= 6, (time.monotonic() - start, len(opened))
+    assert f"looked at {len(opened)} of 200 input files" in str(err), str(err)
+
+
+def test_a_read_task_failure_carries_its_file_and_ends_the_prepare_at_once(tmp_path, monkeypatch):
+    """An I/O error in a read task (the store resets the connection) is raised with the
+    file's URL; the driver reports it in one line (exit 1: not a setting) without a search."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from rayhybrid.errors import RayHybridError
+    from rayhybrid.prepare.inputs import list_inputs
+    from rayhybrid.prepare.reading import TaskFailed, read_files
+    from rayhybrid.prepare.run import refusal
+
+    paths = many_jsonl(tmp_path / "raw", 3, rows=2)
+
+    class Flaky(LocalFileSystem):
+        def _open(self, path, *args, **kwargs):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    batch = {"path": np.array([str(paths[1])], dtype=object)}
+    with pytest.raises(TaskFailed) as failed:
+        list(read_files(batch, fs=Flaky(), fmt="jsonl", field="text", protocol=""))
+    assert str(failed.value) == f"reading {paths[1]}: ConnectionResetError: [Errno 104] Connection reset by peer"
+
+    # As Ray Data hands it back: only the text of the task's error.
+    wrapped = RuntimeError(f"Traceback ...\nrayhybrid.prepare.reading.TaskFailed: {failed.value}\n")
+    with counted_opens(monkeypatch, tmp_path / "raw") as opened:
+        err = refusal(wrapped, list_inputs(str(tmp_path / "raw"), "auto"), "text")
+    assert type(err) is RayHybridError and str(err) == f"prepare failed: {failed.value}"
+    assert opened == []

@@ -3,7 +3,7 @@
     inputs = list_inputs("s3://bucket/raw/*.jsonl", "auto", storage_options)
     inputs.format, inputs.files            # "jsonl", (Source(path, url, size), ...) sorted by path
     check_field(inputs, "text")            # the first file has the field (a cheap look, no Ray)
-    find_bad_file(inputs, "text")          # after a failed read: the file to blame, as a ConfigError
+    find_bad_file(inputs, "text")          # after a failure that named no file: a bounded search
 
 A path, a directory (searched recursively; names starting with . or _ are skipped), a glob or
 a URL of any fsspec store. `format=auto` goes by extension; a directory holding `state.json`
@@ -16,8 +16,11 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import posixpath
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,29 +194,40 @@ def _open_text(inputs: Inputs, source: Source):
     return gzip.open(raw) if source.path.endswith(".gz") else raw
 
 
-def _no_field(field: str, source: Source, found: list[str]) -> ConfigError:
+def no_field(field: str, url: str, found: list[str]) -> ConfigError:
     shown = ", ".join(map(str, found[:20])) or "none"
-    return ConfigError("field", f"{source.url} has no {field!r} (found: {shown}); give field=<one of them>")
+    return ConfigError("field", f"{url} has no {field!r} (found: {shown}); give field=<one of them>")
+
+
+def jsonl_texts(f, url: str, field: str) -> Iterator[tuple[int, str]]:
+    """(line number, `field`'s text) of each row of a JSON Lines file open in binary mode; a
+    ConfigError naming the file and the line for a row that is not JSON, not an object, or
+    holds no text in `field` (also used by the read tasks: rayhybrid.prepare.reading)."""
+    for number, line in enumerate(io.TextIOWrapper(f, encoding="utf-8", errors="strict"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise ConfigError("input", f"{url} line {number} is not JSON ({err}); fix or remove it") from None
+        if not isinstance(row, dict):
+            raise ConfigError("input", f"{url} line {number} is not a JSON object; give JSON Lines")
+        if field not in row:
+            raise no_field(field, url, list(row))
+        if not isinstance(row[field], str):
+            kind = "nothing" if row[field] is None else f"a {type(row[field]).__name__}"
+            raise ConfigError("field", f"{url} line {number}: {field!r} holds {kind}, not text")
+        yield number, row[field]
 
 
 def _jsonl_problem(inputs: Inputs, source: Source, field: str, first_only: bool) -> ConfigError | None:
     with _open_text(inputs, source) as f:
-        for number, line in enumerate(io.TextIOWrapper(f, encoding="utf-8", errors="strict"), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as err:
-                return ConfigError("input", f"{source.url} line {number} is not JSON ({err}); fix or remove it")
-            if not isinstance(row, dict):
-                return ConfigError("input", f"{source.url} line {number} is not a JSON object; give JSON Lines")
-            if field not in row:
-                return _no_field(field, source, list(row))
-            if not isinstance(row[field], str):
-                kind = type(row[field]).__name__
-                return ConfigError("field", f"{source.url} line {number}: {field!r} holds a {kind}, not text")
-            if first_only:
-                return None
+        try:
+            for _ in jsonl_texts(f, source.url, field):
+                if first_only:
+                    return None
+        except ConfigError as err:
+            return err
     return None
 
 
@@ -235,7 +249,7 @@ def _file_problem(inputs: Inputs, source: Source, field: str, first_only: bool) 
             return _jsonl_problem(inputs, source, field, first_only)
         if inputs.format in ("parquet", "hf"):
             names = _columns(inputs, source)
-            return None if field in names else _no_field(field, source, names)
+            return None if field in names else no_field(field, source.url, names)
         if not first_only:
             inputs.fs.cat_file(source.path).decode("utf-8")
     except UnicodeDecodeError as err:
@@ -256,11 +270,56 @@ def check_field(inputs: Inputs, field: str) -> None:
         raise problem
 
 
-def find_bad_file(inputs: Inputs, field: str) -> ConfigError | None:
-    """After a failed read: the first file that cannot be read as its format, or lacks `field`
-    (reads every file: only done when something already failed)."""
-    for source in inputs.readable:
+def sees_file(path: str, size: int) -> str | None:
+    """On a node: None when it sees the local file `path` with `size` bytes, else what it sees
+    (the start-up check of a prepare on several nodes: rayhybrid.prepare.run.check_nodes)."""
+    try:
+        seen = os.path.getsize(path)
+    except FileNotFoundError:
+        return "does not see it (a disk of its own?)"
+    except OSError as err:
+        return f"cannot read it ({one_line(err)})"
+    return None if seen == size else f"sees {seen} bytes there, not {size} (a disk of its own?)"
+
+
+SEARCH_SECONDS = 10.0
+SEARCH_BYTES = 256 << 20
+"""How long, and how many bytes, `find_bad_file` reads before it stops looking."""
+
+
+@dataclass(frozen=True)
+class Search:
+    """What `find_bad_file` found: the file to blame (or None), and how far it looked."""
+
+    problem: ConfigError | None
+    checked: int
+    total: int
+    num_bytes: int
+    seconds: float
+
+    def note(self) -> str:
+        """How far the search went, for an error that names no file."""
+        looked = f"looked at {self.checked} of {self.total} input files ({self.num_bytes / 1e6:.1f} MB, {self.seconds:.1f} s)"
+        if self.checked < self.total:
+            return f"{looked} and stopped there, at the search's bound: found nothing wrong in them"
+        return f"{looked}: found nothing wrong"
+
+
+def find_bad_file(inputs: Inputs, field: str, seconds: float | None = None, max_bytes: int | None = None) -> Search:
+    """After a failure that named no file: the first file, in input order, that cannot be read
+    as its format or lacks `field`. It stops after `seconds`, or before a file that would take
+    it past `max_bytes` read, so a failure on a large corpus is reported in seconds, not after
+    reading the corpus on the driver (defaults: SEARCH_SECONDS, SEARCH_BYTES)."""
+    seconds = SEARCH_SECONDS if seconds is None else seconds
+    max_bytes = SEARCH_BYTES if max_bytes is None else max_bytes
+    files, start, read = inputs.readable, time.monotonic(), 0
+    whole = inputs.format in ("jsonl", "text")  # Parquet and Arrow: only the schema is read
+    for i, source in enumerate(files):
+        cost = source.size if whole else 0
+        if time.monotonic() - start >= seconds or read + cost > max_bytes:
+            return Search(None, i, len(files), read, time.monotonic() - start)
         problem = _file_problem(inputs, source, field, first_only=False)
+        read += cost
         if problem is not None:
-            return problem
-    return None
+            return Search(problem, i + 1, len(files), read, time.monotonic() - start)
+    return Search(None, len(files), len(files), read, time.monotonic() - start)

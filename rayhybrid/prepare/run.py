@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from rayhybrid.config.prepare import PrepareConfig
 from rayhybrid.errors import ConfigError, RayHybridError
-from rayhybrid.prepare.inputs import Inputs, check_field, find_bad_file, list_inputs
+from rayhybrid.prepare.inputs import Inputs, check_field, find_bad_file, list_inputs, sees_file
 from rayhybrid.prepare.output import (
     build_index,
     clear_stale,
@@ -30,14 +30,18 @@ from rayhybrid.prepare.output import (
     open_output,
     write_index,
 )
+from rayhybrid.prepare.reading import TaskFailed
 from rayhybrid.prepare.tokenize import TokenizerInfo, load_tokenizer
 from rayhybrid.storage.store import Store, forwarded_env, one_line
+from rayhybrid.storage.visibility import check_storage, first_refusal
 
 log = logging.getLogger(__name__)
 
 TASK_CPUS = 0.5  # each read and write task: two of them fit in the CPU the actors leave free
 BATCH_DOCUMENTS = {"text": 16}  # documents per tokenizer call: whole files for text
 DEFAULT_BATCH = 256
+READ_TASKS = 200
+READ_TASK_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -172,25 +176,52 @@ def actor_plan(requested: int, cpus: float | None = None) -> tuple[int, float]:
     return workers, max(0.001, math.floor(1000 * min(1.0, spare / workers)) / 1000)  # rounded down: the spare stays
 
 
+def read_tasks(files) -> int:
+    """Read tasks for these files: one per file up to READ_TASKS, then files grouped into
+    tasks of about READ_TASK_BYTES (many small files: few tasks; large ones: one each)."""
+    return max(1, min(len(files), max(READ_TASKS, math.ceil(sum(s.size for s in files) / READ_TASK_BYTES))))
+
+
 def read_dataset(inputs: Inputs, field: str, runtime_env: dict | None):
-    """The documents, in input order: a row per document with its text (or bytes) and path."""
+    """The documents, in input order: batches of texts (text: a file's bytes), each row with
+    its file's path; a task that fails names its file (rayhybrid.prepare.reading)."""
     import ray.data
 
-    from rayhybrid.prepare.tokenize import read_arrow
+    from rayhybrid.prepare.reading import read_files
 
-    paths = [s.path for s in inputs.readable]
+    files = inputs.readable
+    items = ray.data.from_items([{"path": s.path} for s in files], override_num_blocks=read_tasks(files))
+    kwargs = {"fs": inputs.fs, "fmt": inputs.format, "field": field, "protocol": inputs.protocol}
     remote = {"num_cpus": TASK_CPUS, "runtime_env": runtime_env}
-    fs = None if inputs.local else inputs.fs
-    if inputs.format == "text":
-        return ray.data.read_binary_files(paths, include_paths=True, filesystem=fs, **remote)
-    if inputs.format == "jsonl":
-        return ray.data.read_json(paths, include_paths=True, filesystem=fs, file_extensions=None, **remote)
-    if inputs.format == "parquet":
-        ds = ray.data.read_parquet(paths, include_paths=True, filesystem=fs, file_extensions=None, **remote)
-        return ds.select_columns([field, "path"])
-    items = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=len(paths))
-    kwargs = {"fs": inputs.fs, "field": field, "protocol": inputs.protocol}
-    return items.map_batches(read_arrow, batch_size=1, fn_kwargs=kwargs, **remote)
+    return items.map_batches(read_files, batch_size=1, fn_kwargs=kwargs, **remote)
+
+
+NODES_FIX = (
+    "read and write tasks run on every node of the cluster: give {setting}= a mount every node shares, "
+    "or a bucket URL (s3://bucket/prefix, gs://...)"
+)
+
+
+def check_nodes(store: Store, inputs: Inputs, env: dict) -> None:
+    """On a cluster of several nodes, the tasks run on any node with CPUs, so a local output
+    (or input) must be a path every node sees, as one mount: a ConfigError naming `output`
+    (or `input`) when a node does not see it (rayhybrid.storage.visibility checks it as it
+    checks checkpoint.dir). Nodes that join during the prepare are not checked."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+    nodes = [n for n in nodes if n != here]
+    if not nodes:
+        return
+    if inputs.local:
+        for source in {inputs.readable[0], inputs.readable[-1]}:
+            found = first_refusal(nodes, env, sees_file, source.path, source.size)
+            if found:
+                node, reason = found
+                raise ConfigError("input", f"{source.url}: {node} {reason}; {NODES_FIX.format(setting='input')}")
+    if store.local:
+        check_storage(store, nodes, env, setting="output", fix=NODES_FIX.format(setting="output"))
 
 
 def tokenize_and_write(
@@ -203,11 +234,12 @@ def tokenize_and_write(
         from rayhybrid.prepare.shards import ShardSink
         from rayhybrid.prepare.tokenize import Tokenize
 
-        workers, cpus = actor_plan(cfg.workers)
-        log.info("tokenizing with %d actor(s) of %s, %s CPU each", workers, tokenizer.name, cpus)
         # Read and write tasks reach the stores with the driver's settings (the workers of a
         # Ray this call started inherit them; the tokenizers need none).
         env = forwarded_env() if how != "local" else {}
+        check_nodes(store, inputs, env)
+        workers, cpus = actor_plan(cfg.workers)
+        log.info("tokenizing with %d actor(s) of %s, %s CPU each", workers, tokenizer.name, cpus)
         task_env = {"env_vars": env} if env else None
         kwargs = {
             "tokenizer": tokenizer,
@@ -235,14 +267,19 @@ def tokenize_and_write(
 
 
 _CONFIG_ERROR = re.compile(r"rayhybrid\.errors\.ConfigError: ([^\s:]+): ([^\n]*)")
+_TASK_FAILED = re.compile(r"rayhybrid\.prepare\.reading\.TaskFailed: ([^\n]*)")
 _ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Invalid)): (.+)$", re.MULTILINE)
 
 
 def refusal(err: BaseException, inputs: Inputs, field: str) -> RayHybridError:
     """An error of the Ray pipeline as the one-line error to raise: the ConfigError a task
-    raised (Ray keeps only its text), else the input file to blame, else the failure itself."""
+    raised (Ray keeps only its text), else the failure of a task, which names its file, else
+    (Ray's own failure: a process or a node lost) the failure itself, after a search for a
+    bad input file bounded in time and bytes (inputs.find_bad_file), whose extent it says."""
     seen, cause = set(), err
     while cause is not None and id(cause) not in seen:
+        if isinstance(cause, TaskFailed):
+            return RayHybridError(f"prepare failed: {cause}"[:400])
         if isinstance(cause, RayHybridError):
             return cause
         seen.add(id(cause))
@@ -252,8 +289,12 @@ def refusal(err: BaseException, inputs: Inputs, field: str) -> RayHybridError:
     if found:
         setting, message = found[-1]
         return ConfigError(setting, message.strip())
-    bad = find_bad_file(inputs, field)
-    if bad is not None:
-        return bad
+    failed = _TASK_FAILED.findall(text)
+    if failed:
+        return RayHybridError(f"prepare failed: {failed[-1].strip()}"[:400])
+    search = find_bad_file(inputs, field)
+    if search.problem is not None:
+        return search.problem
     lines = [f"{name}: {message}" for name, message in _ERROR_LINE.findall(text) if "ray." not in name]
-    return RayHybridError(f"prepare failed: {lines[-1] if lines else one_line(err)}"[:400])
+    what = (lines[-1] if lines else one_line(err))[:300]
+    return RayHybridError(f"prepare failed: {what} (no input file was named; {search.note()})")

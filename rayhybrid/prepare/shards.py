@@ -15,6 +15,9 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from rayhybrid.data.prepared import lengths_bytes, open_store, shard_files
+from rayhybrid.errors import RayHybridError
+from rayhybrid.prepare.reading import TaskFailed
+from rayhybrid.storage.store import one_line
 
 
 class ShardSink(Datasink):
@@ -31,6 +34,14 @@ class ShardSink(Datasink):
         return "WriteShards"
 
     def write(self, blocks, ctx) -> dict:
+        try:
+            return self._write(blocks, ctx)
+        except RayHybridError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the error leaves with the shard it was writing
+            raise TaskFailed(f"writing {self.url}/{shard_files(ctx.task_idx)[0]}: {one_line(err)}") from None
+
+    def _write(self, blocks, ctx) -> dict:
         fs, root = open_store(self.url, self.options)
         token_file, lengths_file = (f"{root}/{name}" for name in shard_files(ctx.task_idx))
         lengths: list[np.ndarray] = []

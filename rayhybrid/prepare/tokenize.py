@@ -12,8 +12,8 @@ string): transformers' `__call__` is that backend's `encode_batch` without trunc
 padding, and an actor then starts without importing transformers (which imports torch: seconds
 per process). The driver checks that both give the same ids on a probe text; a tokenizer that
 fails the check, or is not fast, travels as its files, and each actor loads it once with
-transformers, offline, from a private copy. No Ray here: `Tokenize` and `read_arrow` are plain
-code that Ray Data runs.
+transformers, offline, from a private copy. No Ray here: `Tokenize` is plain code that Ray Data
+runs.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import itertools
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from rayhybrid.data.prepared import token_dtype
-from rayhybrid.errors import ConfigError
+from rayhybrid.errors import ConfigError, RayHybridError
+from rayhybrid.prepare.reading import TaskFailed, shown
 from rayhybrid.storage.store import one_line
 
 MAX_FILE_BYTES = 256 << 20  # a tokenizer file is never this large; model weights are
@@ -172,10 +172,6 @@ def _backend(tok, split: bool) -> str | None:
     return backend if ids == tok(probe, add_special_tokens=False)["input_ids"] else None
 
 
-def shown(protocol: str, path: str) -> str:
-    return f"{protocol}{path}" if protocol and "://" not in path else path
-
-
 class Tokenize:
     """Ray Data's stateful UDF: a batch of documents -> one row holding their tokens (bytes of
     `dtype`, little-endian) and their lengths (int64 bytes), in the batch's order."""
@@ -222,7 +218,16 @@ class Tokenize:
         return [str(v) for v in values]
 
     def __call__(self, batch: dict) -> dict:
-        texts = self.texts(batch)
+        try:
+            return self.tokenize(self.texts(batch))
+        except RayHybridError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the error leaves with the files it was tokenizing
+            paths = sorted({shown(self.protocol, str(p)) for p in batch.get("path", ())})
+            files = f"{paths[0]}{f' (and {len(paths) - 1} more)' if len(paths) > 1 else ''}" if paths else "the input"
+            raise TaskFailed(f"tokenizing documents of {files}: {one_line(err)}") from None
+
+    def tokenize(self, texts: list[str]) -> dict:
         ids = self.encode(texts) if texts else []
         extra = 1 if self.bos_id is None else 2
         lengths = np.fromiter((len(x) + extra for x in ids), dtype=np.int64, count=len(ids))
@@ -239,20 +244,3 @@ class Tokenize:
             "tokens": np.array([tokens.tobytes()], dtype=object),
             "lengths": np.array([lengths.tobytes()], dtype=object),
         }
-
-
-def read_arrow(batch: dict, *, fs, field: str, protocol: str) -> Iterator[dict]:
-    """Ray Data's UDF for format hf: each file of the batch (an Arrow IPC stream, as
-    `datasets` saves them) -> its record batches' `field` column, with the file's path."""
-    import pyarrow as pa
-
-    for path in batch["path"]:
-        with fs.open(str(path), "rb") as f:
-            reader = pa.ipc.open_stream(f)
-            if field not in reader.schema.names:
-                found = ", ".join(reader.schema.names)
-                where = shown(protocol, str(path))
-                raise ConfigError("field", f"{where} has no {field!r} (found: {found}); give field=<one of them>")
-            for record_batch in reader:
-                column = record_batch.column(field).to_pylist()
-                yield {field: np.array(column, dtype=object), "path": np.array([str(path)] * len(column), dtype=object)}
