@@ -290,6 +290,13 @@ def test_a_checkpoint_resumes_only_on_the_data_it_was_trained_on(tmp_path):
     trainer = SimpleNamespace(stream=other, cfg=SimpleNamespace(train=SimpleNamespace(global_batch_size=8)))
     with pytest.raises(ValueError, match="trained on other data"):
         restore(trainer, "ckpt", {"global_batch_size": 8, "data": mix.identity()})
+    # A checkpoint of the same data read in the former epoch order (a full permutation drawn per
+    # epoch, before the identity named its order) would read other samples: refused too.
+    same = SimpleNamespace(stream=mix, cfg=trainer.cfg)
+    restore_data = {"global_batch_size": 8, "data": {k: v for k, v in mix.identity().items() if k != "order"}}
+    with pytest.raises(ValueError, match="trained on other data") as err:
+        restore(same, "ckpt", restore_data)
+    assert "'order': 2" in str(err.value)
 
 
 def test_open_prepared_is_importable_from_the_data_package(tmp_path):

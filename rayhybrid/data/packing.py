@@ -8,7 +8,9 @@
 Packing: a part's documents, in order and joined (each ends with EOS), form one token stream;
 window w is its tokens [w * seq_len, w * seq_len + seq_len + 1), so consecutive windows share one
 token (the last target of one is the first input of the next) and none is dropped but the tail.
-An epoch reads every window once, in a seeded permutation drawn anew for each epoch.
+An epoch reads every window once, in a seeded order drawn anew for each epoch: a keyed
+bijection of the window numbers (`shuffled`), computed per sample, so nothing is held per epoch
+whatever the size of the data, and no state is shared between the threads that read.
 
 Mixing: blocks of `BLOCK` samples, dataset d taking exactly `quota[d]` slots of each block (the
 largest-remainder rounding of its weight), spread evenly through the block. Every block is the
@@ -21,7 +23,7 @@ invariant 4. No torch, no I/O beyond the documents' lengths.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from functools import lru_cache
 
 import numpy as np
 
@@ -30,6 +32,13 @@ from rayhybrid.data.prepared import PreparedDataset
 BLOCK = 1 << 14
 """Samples per mixing block: the smallest weight a mixture can give a dataset is 1 / BLOCK."""
 EPOCH_KEY = 0xE90C
+ORDER = 2
+"""Which epoch order `shuffled` draws, recorded in checkpoints with the data's identity (a
+resume under another order would read other samples). 1 was a full permutation per epoch."""
+ROUNDS = 6
+"""Feistel rounds of the epoch order."""
+_MASK64 = (1 << 64) - 1
+_MULTIPLIER = 0x9E3779B97F4A7C15  # odd: 2**64 / golden ratio
 
 
 class Part:
@@ -51,22 +60,12 @@ class Part:
         self.seg_virtual = np.concatenate([[0], np.cumsum(seg_len)]).astype(np.int64)  # ... and in this part's
         self.tokens = int(self.seg_virtual[-1])
         self.windows = max(0, (self.tokens - 1) // seq_len)
-        self._orders: OrderedDict[tuple, np.ndarray] = OrderedDict()
 
     def window(self, j: int, key: tuple[int, ...]) -> tuple[int, int]:
-        """(epoch, first token in this part) of the part's j-th sample under seed `key`."""
-        epoch, position = divmod(j, self.windows)
-        return epoch, int(self.order(key, epoch)[position]) * self.seq_len
-
-    def order(self, key: tuple[int, ...], epoch: int) -> np.ndarray:
-        """The windows of one epoch in the order they are read: a permutation seeded by `key`
-        and the epoch (the last two epochs asked for are kept)."""
-        k = (*key, epoch)
-        if k not in self._orders:
-            self._orders[k] = np.random.default_rng([*key, EPOCH_KEY, epoch]).permutation(self.windows)
-            while len(self._orders) > 2:
-                self._orders.popitem(last=False)
-        return self._orders[k]
+        """(epoch, first token in this part) of the part's j-th sample under seed `key`: epoch
+        j // windows reads window `shuffled(j % windows, windows, round_keys(key, epoch))`."""
+        epoch, position = divmod(int(j), self.windows)
+        return epoch, shuffled(position, self.windows, round_keys(tuple(key), epoch)) * self.seq_len
 
     def ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
         """This part's tokens [start, stop) as ranges of the dataset's stream (a window that
@@ -80,6 +79,38 @@ class Part:
                 out.append((base + start, base + end))
             start, seg = end, seg + 1
         return out
+
+
+@lru_cache(maxsize=256)
+def round_keys(key: tuple[int, ...], epoch: int) -> tuple[int, ...]:
+    """The Feistel keys of one epoch's order under seed `key` (non-negative integers): drawn by
+    numpy's SeedSequence from (key, EPOCH_KEY, epoch), the same in every process. Kept for the
+    last epochs asked for (functools' cache: safe across threads, and only a speed-up)."""
+    state = np.random.SeedSequence([*key, EPOCH_KEY, epoch]).generate_state(ROUNDS, np.uint64)
+    return tuple(int(k) for k in state)
+
+
+def shuffled(position: int, windows: int, keys: tuple[int, ...]) -> int:
+    """The window an epoch of `windows` windows reads at `position`: a permutation of
+    range(windows) keyed by `keys`, computed for this position alone in O(1) memory.
+
+    A Feistel network over [0, 2**bits), the smallest power of two above the last window, cut
+    into a high and a low half: each round keeps the low half, moved to the top, and xors a keyed
+    hash of it (the top bits of a 64-bit multiply) into the high one, which is a bijection
+    whatever the key. Cycle-walking makes it one of range(windows): a value past the last window
+    goes through the network again until it lands inside (under two passes on average, as
+    2**bits < 2 * windows)."""
+    bits = max(1, (windows - 1).bit_length())
+    low = bits >> 1
+    high = bits - low
+    low_mask, high_mask, shift = (1 << low) - 1, (1 << high) - 1, 64 - high
+    x = position
+    while True:
+        for k in keys:
+            lo = x & low_mask
+            x = (lo << high) | (((x >> low) ^ (((lo ^ k) * _MULTIPLIER & _MASK64) >> shift)) & high_mask)
+        if x < windows:
+            return x
 
 
 def mixture_entries(data) -> list[tuple[str, str, float]]:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from rayhybrid.config.schema import DataConfig
-from rayhybrid.data.packing import Mixture, Part, mixture_entries, training_documents
+from rayhybrid.data.packing import ORDER, Mixture, Part, mixture_entries, training_documents
 from rayhybrid.data.prepared import PreparedDataset, open_prepared
 from rayhybrid.data.streams import HELD_OUT, SampleStream
 
@@ -74,6 +74,7 @@ class PreparedStream(SampleStream):
             "kind": "prepared",
             "datasets": [p.dataset.index.fingerprint for p in self.parts],
             "weights": [round(float(w), 12) for w in self.mixture.weights],
+            "order": ORDER,  # which window each sample reads (packing.shuffled)
         }
 
     def locate(self, i: int) -> tuple[int, int, int]:
