@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from rayhybrid.config.schema import DataConfig
+from rayhybrid.data import reader
 from rayhybrid.data.packing import BLOCK, Mixture, Part
 from rayhybrid.data.prepared import open_prepared
 from rayhybrid.data.reader import PreparedStream
@@ -165,11 +166,61 @@ def test_the_node_cache_serves_what_was_read_before(s3, tmp_path):
     first = PreparedStream.open(cfg, seed=0)
     (reads,) = counted(first)
     a, _ = first.batch(0, 64)
-    assert reads.calls == 1 and list((tmp_path / "cache").rglob("shard-*.bin.*"))
+    assert reads.calls == 1 and list((tmp_path / "cache").rglob("stream.*"))
     again = PreparedStream.open(cfg, seed=0)  # another rank of the node, or a restarted one
     (reads_again,) = counted(again)
     b, _ = again.batch(0, 64)
     assert a.equal(b) and reads_again.calls == 0
+
+
+def read_all(url: str, cache_dir: str = "", counter: list | None = None) -> np.ndarray:
+    """Every training sample of one epoch of the dataset at `url` (seed 0), in order."""
+    stream = PreparedStream.open(DataConfig(name="prepared", path=url, seq_len=SEQ, cache_dir=cache_dir), seed=0)
+    if counter is not None:
+        counter.extend(counted(stream))
+    return stream.batch(0, stream.parts[0].windows)[0].numpy()
+
+
+@pytest.mark.parametrize("chunk", [None, 64])  # the node's 1 MiB chunks, and chunks that span shards
+def test_two_layouts_of_one_corpus_read_their_own_tokens_through_one_cache(tmp_path, monkeypatch, chunk):
+    """Two prepares of one corpus cut the stream into other shards (another workers=, another
+    store) but have one fingerprint: a node cache kept by shard would serve one layout's bytes
+    at the other's offsets."""
+    if chunk:
+        monkeypatch.setattr(reader, "CACHE_CHUNK", chunk)
+    docs = random_documents(300, seed=16)
+    two, seven = write_dataset(tmp_path / "two", docs, shards=2), write_dataset(tmp_path / "seven", docs, shards=7)
+    a, b = open_prepared(two).index, open_prepared(seven).index
+    assert a.fingerprint == b.fingerprint and a.shards != b.shards
+    cache, tokens = str(tmp_path / "cache"), stream_of(docs)
+    truth = {url: read_all(url) for url in (two, seven)}  # without the cache
+    stream = PreparedStream.open(DataConfig(name="prepared", path=two, seq_len=SEQ), seed=0)
+    for i, row in enumerate(truth[two]):
+        start = stream.locate(i)[2]
+        assert row.tolist() == tokens[start : start + SEQ].tolist()
+    assert np.array_equal(truth[two], truth[seven])  # the samples do not depend on the shards
+    # The first fills the cache (one batched read); the other layout, then the first again,
+    # read their own tokens from it, and nothing from the store.
+    for url, calls in ((two, 1), (seven, 0), (two, 0)):
+        reads: list = []
+        assert np.array_equal(read_all(url, cache, reads), truth[url]), url
+        assert reads[0].calls == calls, url
+
+
+def test_a_cached_chunk_of_the_wrong_size_is_read_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader, "CACHE_CHUNK", 256)
+    url = write_dataset(tmp_path / "ds", random_documents(200, seed=17), shards=3)
+    cache = tmp_path / "cache"
+    truth = read_all(url)
+    assert np.array_equal(read_all(url, str(cache)), truth)
+    chunks = sorted(p for p in cache.rglob("*") if p.is_file())
+    assert len(chunks) > 4 and not [p for p in chunks if ".tmp-" in p.name]
+    chunks[1].write_bytes(chunks[1].read_bytes()[:100])  # cut short (a disk that filled, a stray copy)
+    chunks[2].write_bytes(chunks[2].read_bytes() * 2)  # too long
+    reads: list = []
+    assert np.array_equal(read_all(url, str(cache), reads), truth)
+    assert reads[0].calls == 1 and reads[0].bytes == 2 * 256  # the two chunks again, and only them
+    assert chunks[1].stat().st_size == chunks[2].stat().st_size == 256
 
 
 def test_read_ahead_fetches_the_next_steps_while_this_one_trains(tmp_path):

@@ -8,8 +8,10 @@ their store.
 
 Only the byte ranges a batch's windows cover are read: all of a batch's ranges of one dataset
 in one `cat_ranges` call (concurrent ranged GETs on object stores). `data.cache_dir` keeps
-what was read on the node's disk, in aligned chunks written whole (a temporary file renamed),
-so ranks of one node share it safely and a later epoch or a restarted rank reads it locally.
+what was read on the node's disk, in aligned chunks of the dataset's token stream (not of its
+shards, which another prepare of the same data cuts elsewhere), each written whole (a temporary
+file renamed) and used only at its full size, so ranks of one node share it safely and a later
+epoch or a restarted rank reads it locally.
 `data.read_ahead` steps are fetched by a background thread while the current step trains.
 
 Where each sample comes from is rayhybrid/data/packing.py's; this module only reads.
@@ -26,7 +28,7 @@ import torch
 
 from rayhybrid.config.schema import DataConfig
 from rayhybrid.data.packing import ORDER, Mixture, Part, mixture_entries, training_documents
-from rayhybrid.data.prepared import PreparedDataset, open_prepared
+from rayhybrid.data.prepared import INDEX, PreparedDataset, open_prepared
 from rayhybrid.data.streams import HELD_OUT, SampleStream
 
 CACHE_CHUNK = 1 << 20
@@ -128,12 +130,16 @@ class PreparedStream(SampleStream):
 
 
 def _fetch(ds: PreparedDataset, ranges: list[tuple[int, int]], cache_dir: str) -> list[np.ndarray]:
-    """Token ranges [a, b) of one dataset's stream, in order; each a few ranged reads."""
+    """Token ranges [a, b) of one dataset's stream, in order, read in one batched call (through
+    the node cache with data.cache_dir)."""
+    if cache_dir:
+        size = ds.dtype.itemsize
+        return [ds.decode([blob]) for blob in _cached(ds, [(a * size, b * size) for a, b in ranges], cache_dir)]
     spans = [ds.byte_ranges(a, b) for a, b in ranges]
     flat = [s for span in spans for s in span]
     if not flat:
         return [np.zeros(0, np.int64) for _ in ranges]
-    blobs = _cached(ds, flat, cache_dir) if cache_dir else ds.fs.cat_ranges(*map(list, zip(*flat)), on_error="raise")
+    blobs = ds.fs.cat_ranges(*map(list, zip(*flat)), on_error="raise")
     out, k = [], 0
     for span in spans:
         out.append(ds.decode(blobs[k : k + len(span)]))
@@ -141,33 +147,62 @@ def _fetch(ds: PreparedDataset, ranges: list[tuple[int, int]], cache_dir: str) -
     return out
 
 
-def _cached(ds: PreparedDataset, ranges: list[tuple[str, int, int]], cache_dir: str) -> list[bytes]:
-    """`ranges` through the local chunk cache: missing chunks are read from the store in one
-    batch and written whole (temporary file, then rename), then every range is cut from them."""
-    root = os.path.join(cache_dir, ds.index.fingerprint[:24])
+def _cached(ds: PreparedDataset, ranges: list[tuple[int, int]], cache_dir: str) -> list[bytes]:
+    """Byte ranges [a, b) of the dataset's token stream through the node's chunk cache.
+
+    Chunk c holds the stream's bytes [c * CACHE_CHUNK, (c + 1) * CACHE_CHUNK), kept under the
+    dataset's fingerprint (which names the stream, whatever its shards) and token type: any
+    prepare of the same data, on any store and cut into any shards, reads and fills the same
+    chunks. A chunk is used only at its full size; missing ones (and any of another size) are
+    read from the store in one batch and written whole (temporary file, then rename)."""
+    root = os.path.join(cache_dir, f"{ds.index.fingerprint[:24]}-{ds.dtype.name}")
     os.makedirs(root, exist_ok=True)
-    sizes = {path: ds.index.shards[i]["tokens"] * ds.dtype.itemsize for i, path in enumerate(ds.shard_paths)}
+    total = ds.num_tokens * ds.dtype.itemsize
 
-    def local(path: str, chunk: int) -> str:
-        return os.path.join(root, f"{os.path.basename(path)}.{chunk}")
+    def local(chunk: int) -> str:
+        return os.path.join(root, f"stream.{chunk}")
 
-    needed = {(p, c) for p, a, b in ranges for c in range(a // CACHE_CHUNK, (b - 1) // CACHE_CHUNK + 1)}
-    missing = sorted(k for k in needed if not os.path.exists(local(*k)))
+    def size(chunk: int) -> int:
+        return min(CACHE_CHUNK, total - chunk * CACHE_CHUNK)
+
+    needed = sorted({c for a, b in ranges if b > a for c in range(a // CACHE_CHUNK, (b - 1) // CACHE_CHUNK + 1)})
+    missing = [c for c in needed if not _whole(local(c), size(c))]
     if missing:
-        starts = [c * CACHE_CHUNK for _, c in missing]
-        ends = [min(sizes[p], s + CACHE_CHUNK) for (p, _), s in zip(missing, starts)]
-        for (p, c), blob in zip(missing, ds.fs.cat_ranges([p for p, _ in missing], starts, ends, on_error="raise")):
-            tmp = f"{local(p, c)}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, local(p, c))
+        _fill(ds, missing, [local(c) for c in missing], [size(c) for c in missing])
     out = []
-    for p, a, b in ranges:
+    for a, b in ranges:
         parts = []
         for c in range(a // CACHE_CHUNK, (b - 1) // CACHE_CHUNK + 1):
-            with open(local(p, c), "rb") as f:
-                lo = max(a, c * CACHE_CHUNK) - c * CACHE_CHUNK
+            lo, hi = max(a, c * CACHE_CHUNK) - c * CACHE_CHUNK, min(b, (c + 1) * CACHE_CHUNK) - c * CACHE_CHUNK
+            with open(local(c), "rb") as f:
                 f.seek(lo)
-                parts.append(f.read(min(b, (c + 1) * CACHE_CHUNK) - c * CACHE_CHUNK - lo))
+                parts.append(f.read(hi - lo))
         out.append(b"".join(parts))
     return out
+
+
+def _whole(path: str, size: int) -> bool:
+    """Whether the cached chunk at `path` is there at its full size."""
+    try:
+        return os.path.getsize(path) == size
+    except OSError:
+        return False
+
+
+def _fill(ds: PreparedDataset, chunks: list[int], paths: list[str], sizes: list[int]) -> None:
+    """Read these chunks of the stream from the store (one batched call: a chunk that spans
+    shards is a ranged read of each) and write each whole to its path."""
+    item = ds.dtype.itemsize
+    spans = [ds.byte_ranges(c * CACHE_CHUNK // item, (c * CACHE_CHUNK + n) // item) for c, n in zip(chunks, sizes)]
+    flat = [s for span in spans for s in span]
+    blobs = ds.fs.cat_ranges(*map(list, zip(*flat)), on_error="raise")
+    k = 0
+    for span, path, n in zip(spans, paths, sizes):
+        blob = b"".join(blobs[k : k + len(span)])
+        k += len(span)
+        if len(blob) != n:
+            raise OSError(f"{ds.url}: its shards hold fewer bytes than {INDEX} says; prepare it again")
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
