@@ -40,16 +40,27 @@ class FakeGroup:
         self.start_timeout_s = 1.0
         self.layout = types.SimpleNamespace(topology=Topology(dp, 1, world // dp))
         self.kept: list[dict | None] = [None] * world  # what each rank kept across a failure
+        self.records: dict[int, dict] = {}  # the results a rank kept of its step (`recorded`)
+        self.astray: dict[int, int] = {}  # rank -> the step it holds after a heal, if not the planned one
 
     @property
     def workers(self) -> list:
-        """Fake actors: `held` and `heal` answer from `kept` (cluster/heal.py calls them)."""
+        """Fake actors: `held` and `heal` answer from `kept` (cluster/heal.py calls them): a
+        rank holds the step it kept, or its sender's, and reports that step's record."""
 
         def worker(rank):
             def heal(src, receivers):
                 self.calls.append(("heal", rank, src, receivers))
                 moved = 100 if src is not None else 100 * len(receivers)  # a receiver: what it got
-                return {"step": 0, "bytes": moved, "s": 0.01}
+                step = self.astray.get(rank, self.kept[rank if src is None else src]["step"])
+                record = self.records.get(rank) if src is None else None
+                if record is None:  # what a rank that received its state reports: the samples it read
+                    record = {
+                        "step": step,
+                        "consumed_samples": 8 * step,
+                        "samples_read": [8 * step - 8 + 4 * (rank // 2), 4],
+                    }
+                return {"step": step, "record": record, "bytes": moved, "s": 0.01}
 
             return types.SimpleNamespace(
                 held=types.SimpleNamespace(remote=lambda: self.kept[rank]),
@@ -98,6 +109,9 @@ class FakeGroup:
 
     def rebuild(self, slots):
         self.calls.append(("rebuild", list(slots)))
+
+    def reconfigure(self, cfg):
+        self.calls.append(("reconfigure",))
 
     def load(self, path, meta):
         self.calls.append(("load", path))
@@ -203,12 +217,15 @@ def test_recovery_replaces_the_dead_ranks_and_restores_the_latest_checkpoint(tmp
     assert (state.pending.healed, state.pending.steps_redone) == ("checkpoint", 0)
 
 
-def recovering_dp2_tp2(tmp_path, kept: list, step: int = 6) -> tuple[Controller, FakeGroup, Training]:
-    """dp2_tp2 at step `step`, rank 3 lost, a checkpoint of step 4; each rank kept `kept`."""
+def recovering_dp2_tp2(
+    tmp_path, kept: list, step: int = 6, records: dict | None = None, astray: dict | None = None
+) -> tuple[Controller, FakeGroup, Training]:
+    """dp2_tp2 at step `step`, rank 3 lost, a checkpoint of step 4; each rank kept `kept`, with
+    `records` (FakeGroup.records) and `astray` (FakeGroup.astray)."""
     ctrl = controller(tmp_path, "+topology=dp2_tp2")
     group = FakeGroup(dp=2, world=4)
     group.drained = Drained(frozenset({3}), frozenset({1}), frozenset())
-    group.kept = kept
+    group.kept, group.records, group.astray = kept, records or {}, astray or {}
     store = ctrl.ledger.store
     path = checkpoints.begin(store, 4)
     store.write_bytes(f"{path}/.metadata", b"dcp")
@@ -221,7 +238,7 @@ def recovering_dp2_tp2(tmp_path, kept: list, step: int = 6) -> tuple[Controller,
 def test_recovery_heals_from_the_peer_with_the_same_shard_and_redoes_no_step(tmp_path):
     """Rank 3 (dp 1, tp 1) lost its state; rank 1 (dp 0, tp 1) holds the same shard: it sends,
     every other rank keeps its own; nothing is loaded and the run goes on at step 6."""
-    kept = {"step": 6, "bytes": 100, "metrics": None}
+    kept = {"step": 6, "bytes": 100, "recorded": False}
     _, group, state = recovering_dp2_tp2(tmp_path, [kept, kept, kept, None])
     assert isinstance(state, Training) and state.run.step == 6 and not state.run.uploading
     heals = sorted(c for c in group.calls if c[0] == "heal")
@@ -235,19 +252,54 @@ def test_recovery_heals_from_the_peer_with_the_same_shard_and_redoes_no_step(tmp
 def test_a_step_only_some_survivors_took_is_healed_forward_and_recorded(tmp_path):
     """Ranks 0 and 1 passed step 7's commit vote and stepped before rank 3 died; rank 2 did
     not. The run heals to step 7 (rank 2 from rank 0, rank 3 from rank 1) and records step 7,
-    whose results the driver never had."""
+    whose results the driver never had, through the one merge of every step: the figures of a
+    rank that took it, the samples and the data trace of every rank (those that received their
+    state report what they read), the longest data wait and CPU time of any rank."""
     record = {"step": 7, "loss": 0.5, "lr": 1e-3, "grad_norm": 0.1, "step_time_s": 0.1, "tokens_per_s": 1.0}
-    record |= {"consumed_samples": 56, "samples": [[48, 4], [52, 4]], "checkpoints": []}
-    ahead = {"step": 7, "bytes": 100, "metrics": record}
+    record |= {"consumed_samples": 56, "dp": 2, "pp": 1, "tp": 2, "checkpoints": []}
+    rows = [{"step": 7, "sample": 48, "dataset": "d", "epoch": 0, "start": 0}]
+    ahead = {"step": 7, "bytes": 100, "recorded": True}
+    records = {
+        0: record | {"samples_read": [48, 4], "data_wait_s": 0.2, "cpu_s": 0.3, "data_read": rows},
+        1: record | {"samples_read": [48, 4], "data_wait_s": 0.5, "cpu_s": 0.1, "data_read": rows},
+    }
     ctrl, group, state = recovering_dp2_tp2(
-        tmp_path, [ahead, dict(ahead), {"step": 6, "bytes": 100, "metrics": None}, None]
+        tmp_path, [ahead, dict(ahead), {"step": 6, "bytes": 100, "recorded": True}, None], records=records
     )
     assert state.run.step == 7
     receivers = {c[1]: c[2] for c in group.calls if c[0] == "heal" and c[2] is not None}
     assert receivers == {2: 0, 3: 1}
     assert state.pending.bytes_sent == 200  # what ranks 0 and 1 sent; rank 2 kept a step, but received
-    assert [m["step"] for m in ctrl.log.history] == [7]
+    (step,) = ctrl.log.history
+    assert (step["step"], step["loss"], step["samples"]) == (7, 0.5, [[48, 4], [52, 4]])
+    assert (step["data_wait_s"], step["cpu_s"]) == (0.5, 0.3)  # the longest of any rank, not one rank's
+    traced = {p.name for p in (tmp_path / "data_trace").iterdir()}
+    assert traced == {"rank0.jsonl", "rank1.jsonl"}  # data.trace rows of the step, by rank
     assert state.pending.steps_redone == 0
+
+
+def test_a_heal_whose_ranks_hold_another_step_than_planned_restores_the_checkpoint(tmp_path, caplog):
+    """Rank 3 was to receive step 6 from rank 1 but reports step 5 after the heal: the run does
+    not go on with mixed states; it restores the checkpoint, with a log line saying why."""
+    kept = {"step": 6, "bytes": 100, "recorded": False}
+    _, group, state = recovering_dp2_tp2(tmp_path, [kept, kept, kept, None], astray={3: 5})
+    assert [c for c in group.calls if c[0] == "heal"]  # it healed, then looked
+    assert ("load", str(tmp_path / "checkpoints" / "step_00000004")) in group.calls
+    assert (state.run.step, state.pending.healed, state.pending.steps_redone) == (4, "checkpoint", 2)
+    assert "rank(s) [3] hold step(s) [5]: restoring the checkpoint instead" in caplog.text
+
+
+def test_a_step_taken_that_no_rank_kept_the_results_of_is_never_left_out(tmp_path, caplog):
+    """Ranks 0 and 1 stepped to 7, but neither kept that step's results: healing forward would
+    leave step 7 out of metrics.jsonl, so the run restores the checkpoint (and records the
+    steps it trains again) and says why."""
+    ahead = {"step": 7, "bytes": 100, "recorded": False}
+    _, group, state = recovering_dp2_tp2(
+        tmp_path, [ahead, dict(ahead), {"step": 6, "bytes": 1, "recorded": True}, None]
+    )
+    assert not [c for c in group.calls if c[0] == "heal"]
+    assert state.run.step == 4 and state.pending.healed == "checkpoint"
+    assert "no rank that took it kept its results" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -263,7 +315,7 @@ def test_recovery_falls_back_to_the_checkpoint_without_a_live_copy(tmp_path, kep
         ctrl = controller(tmp_path, "fault.heal=false")
         assert ctrl.healing.policy.choose({(0, 0): [6, None]}) is None
         return
-    kept = [k and {**k, "bytes": 1, "metrics": None} for k in kept]
+    kept = [k and {**k, "bytes": 1, "recorded": False} for k in kept]
     ctrl, group, state = recovering_dp2_tp2(tmp_path, kept)
     assert not [c for c in group.calls if c[0] == "heal"]
     assert ("load", str(tmp_path / "checkpoints" / "step_00000004")) in group.calls

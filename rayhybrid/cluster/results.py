@@ -42,31 +42,39 @@ class StepMetrics(TypedDict, total=False):
     """Wall clock when the driver had the step."""
 
 
-def merge_steps(results: list[list[dict]], dp: int, replica_size: int) -> list[StepMetrics]:
+def merge_steps(results: list[list[dict] | None], dp: int, replica_size: int) -> list[StepMetrics]:
     """Every rank's results of one call (`results[rank][i]` for step i) -> one record per step:
-    rank 0's figures, with what only all ranks together know."""
+    the figures of the first rank that has them (rank 0 after a call), with what only all ranks
+    together know. The one merge of every step, a step healed forward included: there a rank
+    that received its state reports only what it read (`trainer.heal.step_record`), and a rank
+    with no record is None."""
+    ranks = [(rank, steps) for rank, steps in enumerate(results) if steps is not None]
     merged = []
-    for i, metrics in enumerate(results[0]):
-        metrics = dict(metrics)
-        # The sample ranges each replica's first stage read: [[start, count], ...] in dp order.
-        metrics["samples"] = [results[d * replica_size][i].pop("samples_read") for d in range(dp)]
-        metrics.pop("samples_read", None)
-        for name in ("peak_mb", "activation_mb"):  # metrics.memory: every rank's, "rank<r>/stage<s>/<phase>"
-            if name in metrics:
-                metrics[name] = {
-                    f"rank{rank}/{key}": mb for rank, steps in enumerate(results) for key, mb in steps[i][name].items()
-                }
-        # The longest any rank waited for its samples: the step waited that long.
-        metrics["data_wait_s"] = max(steps[i].get("data_wait_s", 0.0) for steps in results)
-        if "data_read" in metrics:  # data.trace: what each rank read, by rank
-            metrics["data_read"] = {
-                str(rank): steps[i]["data_read"] for rank, steps in enumerate(results) if "data_read" in steps[i]
-            }
-        if "cpu_s" in metrics:  # the busiest rank's CPU time (ranks sharing cores wait for them)
-            metrics["cpu_s"] = max(steps[i].get("cpu_s", 0.0) for steps in results)
-        bubbles = [steps[i]["bubble"] for steps in results if steps[i].get("bubble") is not None]
-        metrics["bubble"] = sum(bubbles) / len(bubbles) if bubbles else None  # the pipeline's idle share
-        if "trace" in metrics:  # metrics.trace_steps: every rank's spans
-            metrics["trace"] = [event for steps in results for event in steps[i].get("trace", [])]
-        merged.append(metrics)
+    for i in range(len(ranks[0][1])):
+        step = [(rank, steps[i]) for rank, steps in ranks]
+        merged.append(_merge(step, dp, replica_size))
     return merged
+
+
+def _merge(step: list[tuple[int, dict]], dp: int, replica_size: int) -> StepMetrics:
+    """One step's per-rank results [(rank, metrics)] -> its record."""
+    metrics = dict(next((m for _, m in step if "loss" in m), step[0][1]))
+    # The sample ranges each replica read: [[start, count], ...] in dp order (every rank that
+    # reads, of a first or last stage, reads its replica's).
+    read = {rank // replica_size: m["samples_read"] for rank, m in reversed(step) if m.get("samples_read")}
+    metrics["samples"] = [read.get(d) for d in range(dp)]
+    metrics.pop("samples_read", None)
+    for name in ("peak_mb", "activation_mb"):  # metrics.memory: every rank's, "rank<r>/stage<s>/<phase>"
+        if name in metrics:
+            metrics[name] = {f"rank{rank}/{key}": mb for rank, m in step for key, mb in m.get(name, {}).items()}
+    # The longest any rank waited for its samples: the step waited that long.
+    metrics["data_wait_s"] = max((m["data_wait_s"] for _, m in step if "data_wait_s" in m), default=0.0)
+    if any("data_read" in m for _, m in step):  # data.trace: what each rank read, by rank
+        metrics["data_read"] = {str(rank): m["data_read"] for rank, m in step if "data_read" in m}
+    if "cpu_s" in metrics:  # the busiest rank's CPU time (ranks sharing cores wait for them)
+        metrics["cpu_s"] = max(m["cpu_s"] for _, m in step if "cpu_s" in m)
+    bubbles = [m["bubble"] for _, m in step if m.get("bubble") is not None]
+    metrics["bubble"] = sum(bubbles) / len(bubbles) if bubbles else None  # the pipeline's idle share
+    if "trace" in metrics:  # metrics.trace_steps: every rank's spans
+        metrics["trace"] = [event for _, m in step for event in m.get("trace", [])]
+    return metrics

@@ -198,17 +198,19 @@ class TrainWorker:
 
     def held(self) -> dict | None:
         """fault.heal: the step this worker kept across the failure, if its shards are the ones
-        its new trainer holds, with that step's metrics; None when it kept nothing usable."""
+        its new trainer holds, and whether it has that step's results ("recorded"); None when it
+        kept nothing usable."""
         from rayhybrid.trainer.heal import shape_of
 
         kept = self.kept
         if kept is None or self.trainer is None or kept.shape != shape_of(self.trainer):
             return None
-        return {"step": kept.step, "bytes": kept.nbytes, "metrics": kept.metrics}
+        return {"step": kept.step, "bytes": kept.nbytes, "recorded": kept.metrics is not None}
 
     def heal(self, src: int | None, receivers: list[int]) -> dict:
         """Take the state the run heals to: the kept one (`src` None), sent on to `receivers`,
-        or rank `src`'s over the network. Returns the bytes moved and the seconds taken."""
+        or rank `src`'s over the network. Returns the step it now holds, this rank's record of
+        that step (`step_record`), the bytes moved and the seconds taken."""
         return self._guarded(self._heal, src, receivers)
 
     def _heal(self, src: int | None, receivers: list[int]) -> dict:
@@ -218,10 +220,12 @@ class TrainWorker:
         if src is None:
             heal.restore(self.trainer, self.kept)
             moved = heal.send(self.trainer, receivers) if receivers else 0
-        else:
-            moved = heal.receive(self.trainer, src)
+            metrics = self.kept.metrics
+        else:  # what it kept is replaced, and so are its results
+            moved, metrics = heal.receive(self.trainer, src), None
         self.kept = None
-        return {"step": self.trainer.step, "bytes": moved, "s": time.perf_counter() - start}
+        record = heal.step_record(self.trainer, metrics)
+        return {"step": self.trainer.step, "record": record, "bytes": moved, "s": time.perf_counter() - start}
 
     def train(self, steps: int = 1, inject: str | None = None) -> list[dict]:
         """Train `steps` steps, each followed by the held-out loss when eval.every says so;
@@ -231,8 +235,7 @@ class TrainWorker:
         return self._guarded(self._injected(inject, lambda: [self._step() for _ in range(steps)]))
 
     def _step(self, inject: str | None = None) -> dict:
-        metrics = self.trainer.train_step()
-        self.trainer.last_metrics = metrics
+        metrics = self.trainer.train_step()  # also the trainer's last_metrics, which the evaluation's add to
         if self.cfg.eval.due(metrics["step"], self.cfg.train.steps):
             if inject is not None:
                 fault.trigger(inject, metrics["step"])

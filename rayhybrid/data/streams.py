@@ -224,5 +224,15 @@ def replica_shard(consumed_samples: int, global_batch_size: int, dp: int, dp_ran
     return Shard(start=consumed_samples + dp_rank * per_replica, count=per_replica)
 
 
+def trace_rows(stream: SampleStream, step: int, shard: Shard) -> list[dict]:
+    """data.trace: one row per sample of `shard`, read in step `step`: where it came from
+    (`provenance`, a function of the data, the seed and the sample alone)."""
+    rows = []
+    for i in range(shard.start, shard.start + shard.count):
+        name, epoch, start = stream.provenance(i)
+        rows.append({"step": step, "sample": i, "dataset": name, "epoch": epoch, "start": start})
+    return rows
+
+
 def uniform_loss(vocab_size: int) -> float:
     return math.log(vocab_size)

@@ -18,7 +18,7 @@ import time
 import ray
 
 from rayhybrid.config.schema import Config
-from rayhybrid.driver.records import Interruption
+from rayhybrid.driver.records import Interruption, steps_redone
 from rayhybrid.driver.runlog import RunLog
 from rayhybrid.driver.state import RunState
 from rayhybrid.errors import ConfigError, WorkerError
@@ -162,7 +162,7 @@ class CheckpointLedger:
             )
             self.log.event({"event": "resume", "step": step, "checkpoint": str(ckpt.path)})
         if intr is not None:
-            intr = intr.but(resume_step=step, healed="checkpoint", steps_redone=max(0, run.step - step))
+            intr = intr.but(resume_step=step, healed="checkpoint", steps_redone=steps_redone(run.step, step))
         self.log.rewind(step)  # steps after it are trained again (a failure before any checkpoint: all)
         return run.but(step=step), intr
 

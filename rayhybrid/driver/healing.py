@@ -13,9 +13,10 @@ import logging
 import time
 
 from rayhybrid.cluster.heal import heal, held
+from rayhybrid.cluster.results import merge_steps
 from rayhybrid.config.schema import Config
 from rayhybrid.driver.policies import HealPlan, HealPolicy
-from rayhybrid.driver.records import Interruption
+from rayhybrid.driver.records import Interruption, steps_redone
 from rayhybrid.driver.runlog import RunLog
 from rayhybrid.driver.state import RunState
 
@@ -34,6 +35,45 @@ class Healing:
         group = run.group
         topo = group.layout.topology
         kept = held(group)
+        plan = self._plan(run, kept, latest)
+        if plan is None:
+            return None
+        log.info("healing %d rank(s) from their data-parallel peers at step %d", plan.transfers, plan.step)
+        sources = _by_rank(topo, plan)
+        mark = time.perf_counter()
+        done = heal(group, sources)
+        sent = sum(r["bytes"] for rank, r in enumerate(done) if rank not in sources)  # what the senders sent
+        took = time.perf_counter() - mark
+        astray = {rank: r["step"] for rank, r in enumerate(done) if r["step"] != plan.step}
+        if astray:
+            log.warning(
+                "after healing to step %d, rank(s) %s hold step(s) %s: restoring the checkpoint instead",
+                plan.step,
+                sorted(astray),
+                sorted(set(astray.values())),
+            )
+            if latest is None:  # nothing to load over every rank's state: all start afresh
+                group.reconfigure(group.cfg)
+            return None
+        log.info("healed: %.1f MB sent in %.2fs", sent / 1e6, took)
+        finished = []
+        if plan.step > run.step:  # ranks that passed the last vote stepped: the driver never had that step
+            (record,) = merge_steps([[r["record"]] for r in done], topo.dp, topo.replica_size)
+            finished = record.pop("checkpoints", [])
+            self.log.step(record)
+        intr = intr.but(
+            healed="peer",
+            steps_redone=steps_redone(run.step, plan.step),
+            bytes_sent=sent,
+            restore_s=intr.restore_s + took,
+            resume_step=plan.step,
+        )
+        self.log.event({"event": "heal", "step": plan.step, "ranks": sorted(sources), "bytes": sent})
+        return run.but(step=plan.step, uploading=False), intr, finished
+
+    def _plan(self, run: RunState, kept: list[dict | None], latest) -> HealPlan | None:
+        """The heal policy's plan for what the ranks kept, or None (with the reason logged)."""
+        topo = run.group.layout.topology
         copies: dict[tuple[int, int], list] = {}
         for rank, k in enumerate(kept):
             c = topo.coord(rank)
@@ -42,24 +82,14 @@ class Healing:
         if plan is None:
             why = "no rank kept its state" if not any(kept) else "a shard has no live copy of the newest step"
             log.info("healing from peers is not possible (%s): restoring the checkpoint", why)
+        elif plan.step > run.step and not any(k and k["step"] == plan.step and k["recorded"] for k in kept):
+            log.warning(
+                "healing from peers would go on from step %d, but no rank that took it kept its results, so it "
+                "could not be recorded: restoring the checkpoint",
+                plan.step,
+            )
             return None
-        log.info("healing %d rank(s) from their data-parallel peers at step %d", plan.transfers, plan.step)
-        sources = _by_rank(topo, plan)
-        mark = time.perf_counter()
-        done = heal(group, sources)
-        sent = sum(r["bytes"] for rank, r in enumerate(done) if rank not in sources)  # what the senders sent
-        took = time.perf_counter() - mark
-        log.info("healed: %.1f MB sent in %.2fs", sent / 1e6, took)
-        finished = []
-        record = next((k["metrics"] for k in kept if k and k["step"] == plan.step and k["metrics"]), None)
-        if plan.step > run.step and record is not None:  # ranks that passed the last vote stepped
-            finished = record.pop("checkpoints", [])
-            self.log.step(record)
-        intr = intr.but(
-            healed="peer", steps_redone=0, bytes_sent=sent, restore_s=intr.restore_s + took, resume_step=plan.step
-        )
-        self.log.event({"event": "heal", "step": plan.step, "ranks": sorted(sources), "bytes": sent})
-        return run.but(step=plan.step, uploading=False), intr, finished
+        return plan
 
 
 def _by_rank(topo, plan: HealPlan) -> dict[int, int]:

@@ -17,9 +17,15 @@ from dataclasses import dataclass, field
 
 from rayhybrid.cluster.results import StepMetrics
 
-__all__ = ["TIMINGS", "Interruption", "RunSummary", "StepMetrics", "mean_throughput"]
+__all__ = ["TIMINGS", "Interruption", "RunSummary", "StepMetrics", "mean_throughput", "steps_redone"]
 
 TIMINGS = ("detect_s", "save_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s")
+
+
+def steps_redone(last_step: int, resume_step: int) -> int:
+    """Completed steps a run trains again after going back from `last_step` (the last the
+    driver recorded) to `resume_step`: those since a checkpoint restored; 0 healed forward."""
+    return max(0, last_step - resume_step)
 
 
 @dataclass(frozen=True)

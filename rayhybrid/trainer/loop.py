@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
-from rayhybrid.data.streams import build_stream, replica_shard
+from rayhybrid.data.streams import build_stream, replica_shard, trace_rows
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
@@ -87,7 +87,7 @@ class Trainer:
         # another replica holds the same shards (trainer/heal.py).
         self.heal = heal_enabled(cfg)
         self.settled = False  # whether the state is the run's (trained, restored or healed)
-        self.last_metrics: dict | None = None  # the last step's, for a step the driver missed
+        self.last_metrics: dict | None = None  # the last step's (and its evaluation's), for a step the driver missed
         self.stage_layers = {i: list(self.layout.stage_layers[i]) for i, _ in self.stages}
 
     def checkpoint_meta(self) -> dict:
@@ -191,9 +191,8 @@ class Trainer:
                 self.consumed_samples += cfg.train.global_batch_size
                 self.settled = True
         elapsed = time.perf_counter() - start
-        finished = self.finished_checkpoints()
-        return {
-            **({"checkpoints": finished} if finished else {}),  # uploads done since the last step
+        # Kept before anything else can fail: a peer heal to this step records it from these.
+        self.last_metrics = {
             "step": self.step,
             "loss": loss,
             "lr": lr,
@@ -218,6 +217,10 @@ class Trainer:
             "bubble": self.timeline.bubble(),  # this rank's idle share of the pipeline's time
             **({"trace": self.timeline.events} if self.timeline.record else {}),
         }
+        finished = self.finished_checkpoints()
+        if finished:  # uploads done since the last step
+            self.last_metrics["checkpoints"] = finished
+        return self.last_metrics
 
     def forward_backward(self) -> torch.Tensor:
         """Gradients of the global batch's mean loss (no optimizer step); returns this rank's
@@ -252,11 +255,7 @@ class Trainer:
             self.stream.prefetch(following.start, following.count)
         self.samples_read = [shard.start, shard.count]
         if d.trace:
-            rows = [(i, *self.stream.provenance(i)) for i in range(shard.start, shard.start + shard.count)]
-            self.data_read = [
-                {"step": self.step + 1, "sample": i, "dataset": name, "epoch": epoch, "start": start}
-                for i, name, epoch, start in rows
-            ]
+            self.data_read = trace_rows(self.stream, self.step + 1, shard)
         return inputs, targets
 
     def evaluate(self) -> float:
