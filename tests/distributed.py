@@ -15,6 +15,7 @@ reference to this module whatever import mode pytest uses for the test files.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import pickle
 import queue as queue_mod
 import socket
@@ -474,3 +475,39 @@ def hf_reads(rank: int, cfg) -> dict[str, int]:
     finally:
         HuggingFaceStorageReader.read_data = original
     return reads
+
+
+def heal_memory(rank: int, cfgs: dict, steps: int) -> dict:
+    """Peer healing's memory (metrics.memory), as after a failure: both ranks of a dp2 world
+    train `steps` steps; then every rank builds its trainer anew (a new world), rank 0 takes
+    the state it kept and sends it, and rank 1, whose state was lost, receives it under its
+    meter. {"steady_mb": a steady step's peak, "heal_mb": the receive's peak (rank 1), "state":
+    the parameters after, "step": rank 1's step after}."""
+    from rayhybrid.trainer import heal
+    from rayhybrid.trainer.loop import Trainer
+
+    (cfg,) = cfgs.values()
+    tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+    trained = [dict(tr.train_step()) for _ in range(steps)]
+    out = {"steady_mb": steady_peak_mb(trained)}
+    kept = heal.keep(tr) if rank == 0 else None
+    del tr, trained
+    gc.collect()
+    fresh = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+    if rank == 0:
+        heal.restore(fresh, kept)
+        heal.send(fresh, [1])
+    else:
+        settled()
+        with fresh.memory.step():
+            fresh.memory.phase(fresh.stages[0][0], "heal")
+            heal.receive(fresh, 0)
+        out["heal_mb"] = max(fresh.memory.peaks_mb().values())
+    out["state"] = {name: _local_of(p).detach().clone() for name, p in fresh.named_parameters()}
+    out["step"] = fresh.step
+    return out
+
+
+def _local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor pickles without a process group)."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from distributed import forward_memory, replace_topology, run_configs, train_many
+from distributed import forward_memory, heal_memory, replace_topology, run_configs, train_many
 
 from rayhybrid.models.gpt.model import num_params
 from rayhybrid.plan.estimate import block_bytes, head_bytes, saved_bytes_per_sample  # the hand counts
@@ -111,3 +111,15 @@ def test_out_of_memory_is_found_behind_a_pipeline_wrapper():
     except RuntimeError as wrapped:
         assert _out_of_memory(wrapped) is oom
     assert _out_of_memory(RuntimeError("Connection closed by peer")) is None
+
+
+def test_receiving_a_peer_heal_holds_no_second_copy_of_the_state():
+    """A replacement rank receives its model and optimizer shards from a data-parallel peer
+    straight into its own tensors (rayhybrid/trainer/heal.py): the receive's peak, measured by
+    the memory meter, is at most 10% over a steady training step's, and the state arrives."""
+    cfg = _cfg("+topology=dp2", "train.global_batch_size=2", "train.micro_batch_size=1")
+    sender, receiver = run_configs(heal_memory, {"dp2": cfg}, 3)
+    steady, healed = receiver["steady_mb"], receiver["heal_mb"]
+    assert healed <= 1.10 * steady, f"receiving a heal peaked at {healed:.2f} MB against {steady:.2f} MB a step"
+    assert receiver["step"] == 3
+    assert all(torch.equal(receiver["state"][k], v) for k, v in sender["state"].items())

@@ -6,6 +6,7 @@ new process group to the ranks of other replicas that lost theirs (no Ray here).
     restore(new_trainer, kept)           # a rank that kept the step the run heals to
     send(new_trainer, [3, 7])            # ...and gives it to the ranks that did not
     receive(new_trainer, src=1)          # a replacement, or a survivor a step behind
+    step_record(new_trainer, kept.metrics) # this rank's results of the step it now holds
 
 What a rank holds is its local shards (`DTensor.to_local()`) of the model and optimizer state,
 its RNG state, the step and the samples consumed (which fix the data position: sample i is a
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rayhybrid.data.streams import replica_shard
+from rayhybrid.data.streams import replica_shard, trace_rows
 from rayhybrid.trainer.checkpoint import apply, state_dict
 
 
@@ -52,7 +53,8 @@ class Kept:
     tensors: dict[str, torch.Tensor]
     """"model/<name>", "optim/<name>" (local shards, on the CPU) and "rng"."""
     metrics: dict | None
-    """The metrics of step `step` (the driver may not have had them: see `Trainer.last_metrics`)."""
+    """This rank's metrics of step `step`, as `train_step` returned them (the driver may not have
+    had them: see `step_record`); None when it has none of that step."""
 
     @property
     def nbytes(self) -> int:
@@ -76,17 +78,27 @@ def keep(trainer) -> Kept:
 
 
 def _step_record(trainer) -> dict | None:
-    """The last step's metrics as the driver records a step, if they are this state's: when a
-    rank dies after the commit vote, the others step, but the driver never has that step's
-    results. The samples each replica read follow from the position (the data invariant)."""
+    """The last step's metrics, as this rank's `train_step` reported them, if they are this
+    state's: when a rank dies after the commit vote, the others step, but the driver never has
+    that step's results (`step_record` gives them after the heal)."""
     m = trainer.last_metrics
-    if not m or m["step"] != trainer.step:
-        return None
-    per_rank = ("samples_read", "data_read", "trace", "peak_mb", "activation_mb")
-    record = {k: v for k, v in m.items() if k not in per_rank}
+    return m if m and m["step"] == trainer.step else None
+
+
+def step_record(trainer, metrics: dict | None) -> dict:
+    """This rank's record of the step it holds after a heal, for the driver's one merge of a
+    step's results (rayhybrid/cluster/results.py): `metrics`, the ones it kept of that step, or
+    else what follows from its position (the samples it read, and with data.trace where they
+    came from: sample i is a function of the data, the seed and i), with no figures."""
+    if metrics is not None and metrics["step"] == trainer.step:
+        return metrics
     t, global_batch = trainer.cfg.topology, trainer.cfg.train.global_batch_size
-    shards = [replica_shard(trainer.consumed_samples - global_batch, global_batch, t.dp, d) for d in range(t.dp)]
-    record["samples"] = [[s.start, s.count] for s in shards]
+    record = {"step": trainer.step, "consumed_samples": trainer.consumed_samples, "samples_read": None}
+    if trainer.has_first or trainer.has_last:
+        shard = replica_shard(trainer.consumed_samples - global_batch, global_batch, t.dp, trainer.coord.dp)
+        record["samples_read"] = [shard.start, shard.count]
+        if trainer.cfg.data.trace:
+            record["data_read"] = trace_rows(trainer.stream, trainer.step, shard)
     return record
 
 
@@ -117,23 +129,28 @@ def send(trainer, receivers: list[int]) -> int:
 
 def receive(trainer, src: int) -> int:
     """Receive the state `send` sends from rank `src` into this rank's trainer; returns the
-    bytes received."""
+    bytes received. The shards arrive in the trainer's own tensors, so the rank never holds a
+    second copy of its model and optimizer state; only a tensor that cannot be filled in place
+    (not on the device, or not contiguous: the optimizer's step counts) and the RNG and
+    position pass through a buffer of their own size."""
     trainer.settled = False
     group, device = trainer.world_group, trainer.device
     state, keys = state_dict(trainer)
     targets = _payload(trainer, _locals_of(state))
-    buffers = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in targets]
-    works = [dist.irecv(b, src=src, group=group, tag=i) for i, b in enumerate(buffers)]
+    direct = [t.device == device and t.is_contiguous() for t in targets[:-2]] + [False, False]
+    into = [t if ok else torch.empty(t.shape, dtype=t.dtype, device=device) for t, ok in zip(targets, direct)]
+    works = [dist.irecv(b, src=src, group=group, tag=i) for i, b in enumerate(into)]
     for work in works:
         work.wait()
-    for target, got in zip(targets[:-2], buffers):
-        target.copy_(got)
-    state["extra"]["rng"] = buffers[-2].cpu()
-    step, consumed, has_val, val_step, val_bits = buffers[-1].cpu().tolist()
+    for target, got, ok in zip(targets[:-2], into, direct):
+        if not ok:
+            target.copy_(got)
+    state["extra"]["rng"] = into[-2].cpu()
+    step, consumed, has_val, val_step, val_bits = into[-1].cpu().tolist()
     val_loss = (val_step, _float_of(val_bits)) if has_val else None
     apply(trainer, state, keys)
     _set_position(trainer, step, consumed, val_loss)
-    return sum(b.nbytes for b in buffers)
+    return sum(b.nbytes for b in into)
 
 
 def _payload(trainer, locals_: dict[str, torch.Tensor]) -> list[torch.Tensor]:
