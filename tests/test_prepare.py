@@ -417,9 +417,10 @@ def test_killed_prepare_leaves_no_index_and_reruns_clean(tmp_path, ray_local, to
             time.sleep(0.02)
         assert not (out / INDEX).exists(), "the prepare finished before it could be killed: give it more input"
         assert proc.poll() is None, f"the prepare ended by itself: {output.read_text()[-2000:]}"
+        ray_log = os.readlink(f"/proc/{proc.pid}/fd/2")  # its private file for Ray's output
     finally:
         kill_session(proc)
-        Path(tempfile.gettempdir(), f"rayhybrid-prepare-{proc.pid}.log").unlink(missing_ok=True)  # its Ray log
+    Path(ray_log).unlink()
     assert list(out.glob("shard-*")) and not (out / INDEX).exists()
     with pytest.raises(ConfigError, match="index.json is missing"):
         open_prepared(str(out))
@@ -595,3 +596,36 @@ def test_a_read_task_failure_carries_its_file_and_ends_the_prepare_at_once(tmp_p
         err = refusal(wrapped, list_inputs(str(tmp_path / "raw"), "auto"), "text")
     assert type(err) is RayHybridError and str(err) == f"prepare failed: {failed.value}"
     assert opened == []
+
+
+# -- Ray's output on the command line goes to a private file -----------------------------------
+
+
+def test_ray_output_goes_to_a_new_private_file(tmp_path, monkeypatch, capfd):
+    """Another user may create the old predictable name (rayhybrid-prepare-<pid>.log in the
+    temporary directory) first, as a link to a file of ours: it is not followed; the log is a
+    new file that only its owner can read, and the error line names it."""
+    from rayhybrid.prepare import __main__ as cli
+    from rayhybrid.prepare import run
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine\n")
+    trap = tmp_path / f"rayhybrid-prepare-{os.getpid()}.log"
+    trap.symlink_to(victim)
+
+    def failing(cfg):
+        os.write(2, b"what Ray printed\n")
+        raise RuntimeError("the cluster went away")
+
+    monkeypatch.setattr(run, "prepare", failing)
+    with pytest.raises(SystemExit) as code:
+        cli.main(["input=in", "output=out", "tokenizer=tok"])
+    assert code.value.code == 1
+    assert victim.read_text() == "mine\n" and trap.is_symlink()
+    line = capfd.readouterr().err.strip()
+    assert "\n" not in line and "the cluster went away (Ray's log: " in line, line
+    log = Path(line.rsplit("(Ray's log: ", 1)[1].rstrip(")"))
+    assert log != trap and log.parent == tmp_path and log.name.startswith("rayhybrid-prepare-")
+    assert not log.is_symlink() and log.read_text() == "what Ray printed\n"
+    assert log.stat().st_mode & 0o777 == 0o600

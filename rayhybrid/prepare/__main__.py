@@ -6,6 +6,10 @@ input's order; the token shards and their document lengths are written first and
 last, so an output without index.json is never taken for a dataset. Running it again on a
 committed output with the same inputs does nothing ("already prepared").
 
+Ray's own output goes to a new file of this user's only (mode 0600, a random name
+rayhybrid-prepare-*.log in $TMPDIR or /tmp), removed when the prepare succeeds or is refused,
+kept and named in the error line when it fails.
+
 Exit codes: 0 done (or already prepared), 1 failed, 2 bad settings or inputs (one line on stderr).
 """
 
@@ -31,15 +35,23 @@ def help_text() -> str:
     return "\n\n".join([head[0], "Settings (key=value):\n" + usage(), *head[1:], EXAMPLES])
 
 
+def private_log() -> tuple[int, str]:
+    """A new file for Ray's output, readable by this user only: mkstemp creates it with mode
+    0600 under a random name ($TMPDIR or the system's temporary directory), never opening a
+    file or link that is already there."""
+    return tempfile.mkstemp(prefix="rayhybrid-prepare-", suffix=".log")
+
+
 @contextlib.contextmanager
-def ray_output_to(path: str):
-    """Meanwhile, file descriptor 2 goes to the file at `path`: Ray's and Ray Data's own log
-    lines (from C++ too) stay out of the terminal, where the phases are printed and a failure
-    is one line. Kept when the prepare fails for another reason than a refusal."""
+def ray_output_to(fd: int, path: str):
+    """Meanwhile, file descriptor 2 goes to the open file `fd` (at `path`): Ray's and Ray
+    Data's own log lines (from C++ too) stay out of the terminal, where the phases are printed
+    and a failure is one line. Kept when the prepare fails for another reason than a refusal;
+    `fd` is closed."""
     sys.stderr.flush()
     saved = os.dup(2)
-    with open(path, "ab") as log:
-        os.dup2(log.fileno(), 2)
+    os.dup2(fd, 2)
+    os.close(fd)
     try:
         yield
     except ConfigError:
@@ -66,9 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         from rayhybrid.prepare.run import prepare
         from rayhybrid.storage.store import one_line
 
-        log = os.path.join(tempfile.gettempdir(), f"rayhybrid-prepare-{os.getpid()}.log")
+        fd, log = private_log()
         try:
-            with ray_output_to(log):
+            with ray_output_to(fd, log):
                 prepare(cfg)
         except RayHybridError as err:
             if isinstance(err, ConfigError):
