@@ -98,6 +98,12 @@ def test_a_mixture_holds_each_dataset_in_proportion_at_every_length(weights):
         counts[d] += 1
         if n in (100, 1000, BLOCK, 2 * BLOCK + 5):
             assert np.abs(counts / n - w).max() <= 1.5 / n + 1 / BLOCK
+    # Any stretch, wherever it starts: dataset d's samples among [a, b) are off from (b - a) * w[d]
+    # by off[d][b] - off[d][a], so by at most the spread of off[d] (here over 3 blocks and a bit).
+    datasets = np.array([d for d, _ in located])
+    for d in range(len(w)):
+        off = np.concatenate([[0], np.cumsum(datasets == d)]) - np.arange(len(located) + 1) * w[d]
+        assert off.max() - off.min() <= len(w) + 1 + len(located) / BLOCK
     assert mix.locate(77_777) == Mixture(weights).locate(77_777)
 
 
