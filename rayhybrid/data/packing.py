@@ -98,8 +98,8 @@ def shuffled(position: int, windows: int, keys: tuple[int, ...]) -> int:
     into a high and a low half: each round keeps the low half, moved to the top, and xors a keyed
     hash of it (the top bits of a 64-bit multiply) into the high one, which is a bijection
     whatever the key. Cycle-walking makes it one of range(windows): a value past the last window
-    goes through the network again until it lands inside (under two passes on average, as
-    2**bits < 2 * windows)."""
+    goes through the network again until it lands inside (at most two passes on average,
+    as 2**bits <= 2 * windows)."""
     bits = max(1, (windows - 1).bit_length())
     low = bits >> 1
     high = bits - low
