@@ -25,7 +25,7 @@ from rayhybrid.errors import ConfigError, WorkerError
 from rayhybrid.faults import Injection
 from rayhybrid.storage import checkpoints
 from rayhybrid.storage.store import Store, redact_url
-from rayhybrid.storage.visibility import check_storage
+from rayhybrid.storage.visibility import check_datasets, check_storage
 
 log = logging.getLogger("rayhybrid")
 
@@ -53,9 +53,10 @@ class CheckpointLedger:
         """The storage check on the nodes of `slots` not checked yet. A POSIX path is what the
         driver's own node sees by definition; stores are checked everywhere (the workers'
         credentials are not the driver's)."""
-        if not self.cfg.checkpoint.enabled and self.default_dir:
-            return run  # no checkpoint is written, and none can be there to resume
         nodes = [n for n in group.nodes_of(list(slots)) if n not in run.checked_nodes]
+        check_datasets(self.cfg.data, nodes, group.env)  # a prepared dataset on a local path
+        if not self.cfg.checkpoint.enabled and self.default_dir:
+            return run.but(checked_nodes=run.checked_nodes | set(nodes))  # no checkpoint is written or read
         if nodes and self.store.local:
             here = ray.get_runtime_context().get_node_id()
             nodes = [n for n in nodes if n != here]
