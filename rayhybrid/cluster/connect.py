@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import socket
@@ -62,26 +63,28 @@ def join(address: str, setting: str, timeout_s: float) -> None:
     """Connect to the cluster at `address` ("auto", "ip:port" or "ray://ip:port"): exit 2 with
     one line when nothing answers there within `timeout_s`, or when it refuses the token.
 
-    Token authentication: see `_authenticate`."""
-    from ray._private.authentication.authentication_token_setup import (
-        _get_default_token_path,
-        maybe_enable_token_auth_if_token_available,
-    )
+    Token authentication: see `_authenticate`. It uses Ray's private token setup; in a Ray
+    where that moved, the run connects as `ray.init` does by itself, after one warning line
+    (RAY_AUTH_MODE=token then turns token mode on)."""
     from ray.exceptions import AuthenticationError
 
+    token = _token_setup()
     if address != "auto":
         _wait_for_port(address, setting, timeout_s)
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     try:
-        if address == "auto" or address.startswith("ray://"):
-            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)  # what Ray does for "auto"
+        if token is None:
+            pass
+        elif address == "auto" or address.startswith("ray://"):
+            token.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)  # what Ray does for "auto"
         else:
-            _authenticate(address)
+            _authenticate(address, token)
         log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
     except AuthenticationError as err:
         has_token = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-        what = "refused the token" if has_token or _get_default_token_path().exists() else "asks for a token"
+        saved = token is not None and token._get_default_token_path().exists()
+        what = "refused the token" if has_token or saved else "asks for a token"
         raise ConfigError(
             "RAY_AUTH_TOKEN",
             f"the Ray cluster at {address} ({setting}) {what} ({one_line(err).split('. ')[0]}); set RAY_AUTH_TOKEN, "
@@ -91,13 +94,31 @@ def join(address: str, setting: str, timeout_s: float) -> None:
         raise ConfigError(setting, f"cannot connect to a Ray cluster at {address}: {one_line(err)}; {_FIX}") from None
 
 
-def _authenticate(address: str) -> None:
+def _token_setup():
+    """Ray's private token setup (`ray._private.authentication.authentication_token_setup`), or
+    None after one warning line when this Ray has moved what rayhybrid uses of it."""
+    try:
+        token = importlib.import_module("ray._private.authentication.authentication_token_setup")
+
+        for name in ("maybe_enable_token_auth_if_token_available", "_get_default_token_path"):
+            getattr(token, name)
+        from ray._raylet import GcsClient  # noqa: F401 - _authenticate's
+    except (ImportError, AttributeError) as err:
+        log.warning(
+            "cluster.address: this Ray's token setup moved (%s): connecting without rayhybrid's token check; "
+            "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN for a cluster that asks for one, or use ray==2.60.*",
+            one_line(err),
+        )
+        return None
+    return token
+
+
+def _authenticate(address: str, token) -> None:
     """Token authentication as the cluster at `address` has it (Ray 2.60 turns it on by itself
     only for "auto"): ask its GCS without a token first; when it asks for one, turn token mode
     on (the token from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) and ask
     again. A refused token raises AuthenticationError at once, where ray.init would retry for
     20 s and then say only that it could not connect. An explicit RAY_AUTH_MODE is kept."""
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
     from ray._raylet import GcsClient
     from ray.exceptions import AuthenticationError
 
@@ -106,7 +127,9 @@ def _authenticate(address: str) -> None:
             GcsClient(address=address, cluster_id=None)
             return
         except AuthenticationError:
-            if "RAY_AUTH_MODE" in os.environ or not maybe_enable_token_auth_if_token_available(warn_if_disabled=False):
+            if "RAY_AUTH_MODE" in os.environ or not token.maybe_enable_token_auth_if_token_available(
+                warn_if_disabled=False
+            ):
                 raise
         GcsClient(address=address, cluster_id=None)
 

@@ -18,6 +18,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayhybrid.errors import PlacementError
+from rayhybrid.storage.store import one_line
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,26 @@ def alive_nodes() -> list[dict]:
 
 def draining_nodes() -> dict[str, int]:
     """Ray's drain state (a spot node's preemption notice, an autoscaler scaling in): node id
-    (hex) -> deadline in ms since the epoch (0: none)."""
-    from ray._private.state import state
+    (hex) -> deadline in ms since the epoch (0: none). It comes from Ray's private state API:
+    in a Ray where that moved, no node is ever seen draining (the run goes on, and a node's
+    loss is recovered from as a failure), after one warning line."""
+    try:
+        from ray._private.state import state
 
-    return dict(state.get_draining_nodes())
+        get = state.get_draining_nodes
+    except (ImportError, AttributeError) as err:
+        if not _drain_warned:
+            _drain_warned.append(one_line(err))
+            log.warning(
+                "drain notices are off: this Ray's state API moved (%s); a preempted node's loss is recovered "
+                "from as a failure (use ray==2.60.* to move off it in time)",
+                _drain_warned[0],
+            )
+        return {}
+    return dict(get())
+
+
+_drain_warned: list[str] = []
 
 
 def dead_nodes() -> set[str]:
@@ -121,13 +138,21 @@ def autoscaled(wait_s: float = AUTOSCALER_REPORT_WAIT_S) -> bool:
     alone says nothing, its node types do (`can_add_nodes`). A head this process started
     (`ray.init()` without an address: rayhybrid's own local Ray, a notebook's) has none, and
     is not asked. Autoscaler v2 (KubeRay's, or RAY_enable_autoscaler_v2=1) counts as one that
-    can."""
-    from ray._private import worker
-    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
-    from ray.autoscaler.v2.utils import is_autoscaler_v2
-    from ray.experimental.internal_kv import _internal_kv_get
-
+    can. It asks through Ray's private modules: in a Ray where they moved, the cluster counts
+    as a fixed one (its capacity is checked), after one warning line."""
     deadline = time.monotonic() + wait_s
+    try:
+        from ray._private import worker
+        from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+        from ray.autoscaler.v2.utils import is_autoscaler_v2
+        from ray.experimental.internal_kv import _internal_kv_get
+    except ImportError as err:
+        log.warning(
+            "this Ray's autoscaler status moved (%s): the cluster is taken as fixed and its capacity checked "
+            "(use ray==2.60.* for rayhybrid to wait for an autoscaler's nodes)",
+            one_line(err),
+        )
+        return False
     try:
         if worker._global_node is not None and worker._global_node.head:
             return False

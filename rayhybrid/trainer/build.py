@@ -10,7 +10,9 @@ schedule over them, and the memory meter.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,8 +22,11 @@ from rayhybrid.config.topology import Layout
 from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.spec import ModelSpec
 from rayhybrid.parallel.pipeline import build_schedule
-from rayhybrid.trainer.memory import MemoryMeter
+from rayhybrid.storage.store import one_line
 from rayhybrid.trainer.optim import build_optimizer
+
+if TYPE_CHECKING:
+    from rayhybrid.trainer.memory import MemoryMeter
 
 Stages = list[tuple[int, torch.nn.Module]]
 """(stage index, module) for each pipeline stage a rank owns, in the order it owns them."""
@@ -125,8 +130,16 @@ def build_memory_meter(
     cfg: Config, device: torch.device, stages: Stages, optimizers: list[torch.optim.Optimizer]
 ) -> MemoryMeter | None:
     """The memory meter (`metrics.memory`), or None. On CPU, `tune.memory_budget_mb` is the
-    capacity of the device it plays."""
+    capacity of the device it plays. The meter counts with torch's private `MemTracker`: in a
+    torch where it moved, metrics.memory is off after one warning line, and the rest runs."""
     if not cfg.metrics.memory:
+        return None
+    try:
+        from rayhybrid.trainer.memory import MemoryMeter
+    except ImportError as err:
+        logging.getLogger("rayhybrid").warning(
+            "metrics.memory is off: this torch's memory tracker moved (%s); use torch==2.13.0", one_line(err)
+        )
         return None
     budget = cfg.tune.memory_budget_mb if device.type == "cpu" else 0.0
     return MemoryMeter(device, [m for _, m in stages], optimizers, budget_mb=budget)

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from rayhybrid.errors import ConfigError
 from rayhybrid.models.layers import tied_names
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store, one_line
@@ -128,7 +128,7 @@ def writer(store: Store, path: str, die_after_write: bool = False):
     if store.local:
         cls, args = dcp.FileSystemWriter, {}
     else:
-        cls, args = FsspecWriter, store.options
+        cls, args = _fsspec_io()[1], store.options
     if die_after_write:
         cls = type("DieAfterWrite", (_DieAfterWrite, cls), {})
     return cls(store.url_of(path), **args)
@@ -137,7 +137,22 @@ def writer(store: Store, path: str, die_after_write: bool = False):
 def reader(store: Store, path: str):
     if store.local:
         return dcp.FileSystemReader(path)
-    return FsspecReader(store.url_of(store.relative(path)), **store.options)
+    return _fsspec_io()[0](store.url_of(store.relative(path)), **store.options)
+
+
+def _fsspec_io() -> tuple[type, type]:
+    """DCP's reader and writer for fsspec stores (torch's private `_fsspec_filesystem`): in a
+    torch where they moved, a checkpoint.dir on a store is refused in one line (a local path or
+    a shared mount still works), and nothing else is lost."""
+    try:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    except ImportError as err:
+        raise ConfigError(
+            "checkpoint.dir",
+            f"this torch cannot write checkpoints to a store ({one_line(err)}); give a local path or a shared "
+            "mount, or use torch==2.13.0",
+        ) from None
+    return FsspecReader, FsspecWriter
 
 
 class _DieAfterWrite:
