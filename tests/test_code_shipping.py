@@ -141,6 +141,20 @@ def test_a_changed_ray_packaging_turns_shipping_off_with_one_warning_naming_the_
         assert "ray==2.60" in warning
 
 
+def test_a_bug_of_rayhybrids_own_around_rays_packaging_is_not_taken_for_a_changed_ray(tmp_path, monkeypatch):
+    """Only Ray's own packaging calls turn shipping off: a TypeError in rayhybrid's size check
+    raises as it is, never hidden as "Ray changed" (the run would fail later, on the workers)."""
+
+    def broken(*args):
+        raise TypeError("a bug of rayhybrid's")
+
+    monkeypatch.setattr(code, "check_sizes", broken)
+    proj = tmp_path / "proj"
+    write(proj / "train_helpers.py")
+    with pytest.raises(TypeError, match="a bug of rayhybrid's"):
+        code.shipment(cfg_for("", str(proj)))
+
+
 def test_files_over_the_limit_are_refused_with_one_line_naming_them(tmp_path, monkeypatch):
     src = tmp_path / "src"
     write(src / "ship_big_d" / "__init__.py")

@@ -28,6 +28,7 @@ on without it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -54,6 +55,20 @@ _announced: set[tuple[str, ...]] = set()
 RAY_CHANGED = (ImportError, AttributeError, TypeError)
 """What a moved or changed private part of Ray's packaging raises (TypeError: a signature)."""
 _warned: set[str] = set()
+
+
+class PackagingChanged(Exception):
+    """One of Ray's private packaging calls failed as a moved or changed one does (RAY_CHANGED,
+    raised by that call itself, not by rayhybrid's code around it)."""
+
+
+@contextlib.contextmanager
+def _ray_packaging():
+    """Around calls of Ray's private packaging only: what RAY_CHANGED says becomes PackagingChanged."""
+    try:
+        yield
+    except RAY_CHANGED as err:
+        raise PackagingChanged(one_line(err)) from err
 
 
 def shipping_off(err: BaseException, paths) -> None:
@@ -95,7 +110,7 @@ def shipment(cfg: Config) -> list[Shipment]:
         wanted = [Shipment(str(root), "working_dir", excludes=own_outputs(cfg, root))]
     try:
         return [_measured(s, cfg.cluster.code_max_file_mb) for s in wanted]
-    except RAY_CHANGED as err:
+    except PackagingChanged as err:
         shipping_off(err, [s.path for s in wanted])
         return []
 
@@ -139,7 +154,7 @@ def runtime_env(shipped: list[Shipment], env_vars: dict[str, str] | None = None)
     if shipped:
         try:
             out = _upload(shipped)
-        except RAY_CHANGED as err:
+        except PackagingChanged as err:
             shipping_off(err, [s.path for s in shipped])
         if "py_modules" in out:
             job = _current_runtime_env().get("py_modules") or []
@@ -222,8 +237,6 @@ def _include_gitignore() -> bool:
 def packed_files(path: str, excludes: tuple[str, ...] = ()) -> list[tuple[Path, int]]:
     """The files Ray packs of `path` (its own walk: its default excludes and `excludes`,
     `.gitignore`, `.rayignore`), with their sizes in bytes."""
-    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
-
     root = Path(path)
     if root.is_file():
         return [(root, root.stat().st_size)]
@@ -233,8 +246,11 @@ def packed_files(path: str, excludes: tuple[str, ...] = ()) -> list[tuple[Path, 
         if p.is_file():
             found.append((p, p.stat().st_size))
 
-    patterns = [_get_excludes(root, [*_excludes(), *excludes])]
-    _dir_travel(root, patterns, visit, include_gitignore=_include_gitignore(), logger=_RAY_LOG)
+    with _ray_packaging():  # `visit` raises none of RAY_CHANGED
+        from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+        patterns = [_get_excludes(root, [*_excludes(), *excludes])]
+        _dir_travel(root, patterns, visit, include_gitignore=_include_gitignore(), logger=_RAY_LOG)
     return found
 
 
@@ -282,23 +298,27 @@ def _mb(size: int) -> str:
 def _upload(shipped: list[Shipment]) -> dict:
     """Each shipment in the cluster (Ray's upload: pinned, skipped when the same content is
     there already); {"py_modules": [uri, ...], "working_dir": uri}. Logs what it ships, once."""
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
     from ray.exceptions import RuntimeEnvSetupError
 
+    with _ray_packaging():
+        from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+        from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+        scratch, gitignore = tempfile.gettempdir(), _include_gitignore()
     out: dict = {}
-    scratch, gitignore = tempfile.gettempdir(), _include_gitignore()
     for s in shipped:
         try:
             if s.field == "py_modules":
-                env = {"py_modules": [s.path], "excludes": [*_excludes(), *s.excludes]}
-                uri = upload_py_modules_if_needed(env, gitignore, scratch_dir=scratch, logger=_RAY_LOG)["py_modules"][0]
+                with _ray_packaging():
+                    env = {"py_modules": [s.path], "excludes": [*_excludes(), *s.excludes]}
+                    uri = upload_py_modules_if_needed(env, gitignore, scratch_dir=scratch, logger=_RAY_LOG)
+                uri = uri["py_modules"][0]
                 out.setdefault("py_modules", []).append(uri)
             else:
                 env = {"working_dir": s.path, "excludes": list(s.excludes)}  # Ray adds its defaults
-                uri = out["working_dir"] = upload_working_dir_if_needed(
-                    env, gitignore, scratch_dir=scratch, logger=_RAY_LOG
-                )["working_dir"]
+                with _ray_packaging():
+                    uri = upload_working_dir_if_needed(env, gitignore, scratch_dir=scratch, logger=_RAY_LOG)
+                uri = out["working_dir"] = uri["working_dir"]
         except (RuntimeEnvSetupError, ValueError, OSError) as err:  # ValueError: over Ray's own size limit
             raise ConfigError(
                 "cluster.code",
