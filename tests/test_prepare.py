@@ -629,3 +629,39 @@ def test_ray_output_goes_to_a_new_private_file(tmp_path, monkeypatch, capfd):
     assert log != trap and log.parent == tmp_path and log.name.startswith("rayhybrid-prepare-")
     assert not log.is_symlink() and log.read_text() == "what Ray printed\n"
     assert log.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_failed_shard_write_names_the_shard_but_never_a_key_in_the_output_url(monkeypatch):
+    """An output URL may carry credentials (s3://KEY:SECRET@bucket/...): a write task's error
+    names the shard it was writing with the URL redacted."""
+    import types
+
+    from rayhybrid.prepare.reading import TaskFailed
+    from rayhybrid.prepare.shards import ShardSink
+
+    sink = ShardSink("s3://AKIAEXAMPLEKEY:VERYSECRETVALUE@bucket/out", {}, "uint16")
+
+    def refused(blocks, ctx):
+        raise OSError("access denied")
+
+    monkeypatch.setattr(sink, "_write", refused)
+    with pytest.raises(TaskFailed) as err:
+        sink.write([], types.SimpleNamespace(task_idx=3))
+    message = str(err.value)
+    assert "shard-00003.bin" in message and "access denied" in message
+    assert "AKIAEXAMPLEKEY" not in message and "VERYSECRETVALUE" not in message
+
+
+def test_a_temporary_directory_that_cannot_be_written_is_one_line_naming_tmpdir(tmp_path, monkeypatch, capfd):
+    """Ray's output goes to a private file in $TMPDIR: when none can be made there, the prepare
+    stops with one line (exit 1) that says to set TMPDIR, not a traceback."""
+    import rayhybrid.prepare.__main__ as cli
+    from rayhybrid.prepare import run
+
+    monkeypatch.setattr(run, "prepare", lambda cfg: pytest.fail("prepared without a file for Ray's output"))
+    with monkeypatch.context() as only_here, pytest.raises(SystemExit) as code:  # pytest's capture needs its own
+        only_here.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+        cli.main(["input=in", "output=out", "tokenizer=tok"])
+    assert code.value.code == 1
+    line = capfd.readouterr().err.strip()
+    assert "\n" not in line and "cannot create a file for Ray's output" in line and "set TMPDIR" in line, line

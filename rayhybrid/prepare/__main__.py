@@ -78,7 +78,13 @@ def main(argv: list[str] | None = None) -> None:
         from rayhybrid.prepare.run import prepare
         from rayhybrid.storage.store import one_line
 
-        fd, log = private_log()
+        try:
+            fd, log = private_log()
+        except OSError as err:
+            raise RayHybridError(
+                f"cannot create a file for Ray's output in {tempfile.gettempdir()} ({one_line(err)}); "
+                "set TMPDIR to a directory you can write to"
+            ) from None
         try:
             with ray_output_to(fd, log):
                 prepare(cfg)

@@ -20,7 +20,7 @@ import numpy as np
 
 from rayhybrid.errors import ConfigError, RayHybridError
 from rayhybrid.prepare.inputs import jsonl_texts, no_field
-from rayhybrid.storage.store import one_line
+from rayhybrid.storage.store import one_line, redact_url
 
 READ_ROWS = 1024  # documents per batch of a JSON Lines, Parquet or Arrow file
 WHAT = {"parquet": "a Parquet file", "hf": "an Arrow stream", "jsonl": "JSON Lines", "text": "a file"}
@@ -33,7 +33,7 @@ class TaskFailed(RayHybridError):
 
 def shown(protocol: str, path: str) -> str:
     """A path of the input's filesystem as the user sees it (with its URL scheme)."""
-    return f"{protocol}{path}" if protocol and "://" not in path else path
+    return redact_url(f"{protocol}{path}" if protocol and "://" not in path else path)
 
 
 def _rows(name: str, values: list, path: str) -> dict:

@@ -17,7 +17,7 @@ from ray.data.block import BlockAccessor
 from rayhybrid.data.prepared import lengths_bytes, open_store, shard_files
 from rayhybrid.errors import RayHybridError
 from rayhybrid.prepare.reading import TaskFailed
-from rayhybrid.storage.store import one_line
+from rayhybrid.storage.store import one_line, redact_url
 
 
 class ShardSink(Datasink):
@@ -39,7 +39,8 @@ class ShardSink(Datasink):
         except RayHybridError:
             raise
         except Exception as err:  # noqa: BLE001 - the error leaves with the shard it was writing
-            raise TaskFailed(f"writing {self.url}/{shard_files(ctx.task_idx)[0]}: {one_line(err)}") from None
+            where = f"{redact_url(self.url)}/{shard_files(ctx.task_idx)[0]}"  # never a key in a URL
+            raise TaskFailed(f"writing {where}: {one_line(err)}") from None
 
     def _write(self, blocks, ctx) -> dict:
         fs, root = open_store(self.url, self.options)
