@@ -511,3 +511,16 @@ def heal_memory(rank: int, cfgs: dict, steps: int) -> dict:
 def _local_of(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a plain tensor pickles without a process group)."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def heal_records(rank: int, cfgs: dict, steps: int) -> dict:
+    """What a rank reports of its step after a heal (`trainer.heal.step_record`): without the
+    results it kept (a rank that received its state), beside what `train_step` returned."""
+    from rayhybrid.trainer import heal
+    from rayhybrid.trainer.loop import Trainer
+
+    (cfg,) = cfgs.values()
+    tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+    for _ in range(steps):
+        metrics = dict(tr.train_step())
+    return {"trained": metrics, "received": heal.step_record(tr, None), "kept": heal.step_record(tr, metrics)}

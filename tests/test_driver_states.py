@@ -42,6 +42,7 @@ class FakeGroup:
         self.kept: list[dict | None] = [None] * world  # what each rank kept across a failure
         self.records: dict[int, dict] = {}  # the results a rank kept of its step (`recorded`)
         self.astray: dict[int, int] = {}  # rank -> the step it holds after a heal, if not the planned one
+        self.cfg = None
 
     @property
     def workers(self) -> list:
@@ -218,19 +219,22 @@ def test_recovery_replaces_the_dead_ranks_and_restores_the_latest_checkpoint(tmp
 
 
 def recovering_dp2_tp2(
-    tmp_path, kept: list, step: int = 6, records: dict | None = None, astray: dict | None = None
+    tmp_path, kept: list, step: int = 6, records: dict | None = None, astray: dict | None = None, saved: bool = True
 ) -> tuple[Controller, FakeGroup, Training]:
-    """dp2_tp2 at step `step`, rank 3 lost, a checkpoint of step 4; each rank kept `kept`, with
-    `records` (FakeGroup.records) and `astray` (FakeGroup.astray)."""
+    """dp2_tp2 at step `step`, rank 3 lost, a checkpoint of step 4 (unless not `saved`); each
+    rank kept `kept`, with `records` (FakeGroup.records) and `astray` (FakeGroup.astray)."""
     ctrl = controller(tmp_path, "+topology=dp2_tp2")
     group = FakeGroup(dp=2, world=4)
     group.drained = Drained(frozenset({3}), frozenset({1}), frozenset())
     group.kept, group.records, group.astray = kept, records or {}, astray or {}
     store = ctrl.ledger.store
-    path = checkpoints.begin(store, 4)
-    store.write_bytes(f"{path}/.metadata", b"dcp")
-    checkpoints.commit(store, path, {"step": 4, "consumed_samples": 32, "topology": {"dp": 2, "pp": 1, "tp": 2}})
-    run = RunState(group=group, slots=(0, 1), step=step, first_restore=0, committed=4, uploading=True)
+    if saved:
+        path = checkpoints.begin(store, 4)
+        store.write_bytes(f"{path}/.metadata", b"dcp")
+        meta = {"step": 4, "consumed_samples": 32, "topology": {"dp": 2, "pp": 1, "tp": 2}}
+        checkpoints.commit(store, path, meta)
+    committed = 4 if saved else None
+    run = RunState(group=group, slots=(0, 1), step=step, first_restore=0, committed=committed, uploading=True)
     intr = Interruption("restart", "rank 3: boom", step + 1, 2)
     return ctrl, group, ctrl.on_recovering(Recovering(run, WorkerError(3, "x"), intr, False))
 
@@ -287,6 +291,17 @@ def test_a_heal_whose_ranks_hold_another_step_than_planned_restores_the_checkpoi
     assert ("load", str(tmp_path / "checkpoints" / "step_00000004")) in group.calls
     assert (state.run.step, state.pending.healed, state.pending.steps_redone) == (4, "checkpoint", 2)
     assert "rank(s) [3] hold step(s) [5]: restoring the checkpoint instead" in caplog.text
+    assert ("reconfigure",) not in group.calls  # the checkpoint is loaded over every rank
+
+
+def test_a_heal_astray_without_a_checkpoint_starts_every_rank_afresh(tmp_path, caplog):
+    """The same, with no checkpoint to load over every rank: the ranks are built afresh (the
+    group joins again) and the run starts over from step 0 rather than go on with mixed states."""
+    kept = {"step": 6, "bytes": 100, "recorded": False}
+    _, group, state = recovering_dp2_tp2(tmp_path, [kept, kept, kept, None], astray={3: 5}, saved=False)
+    assert ("reconfigure",) in group.calls and not [c for c in group.calls if c[0] == "load"]
+    assert (state.run.step, state.pending.healed, state.pending.steps_redone) == (0, "checkpoint", 6)
+    assert "rank(s) [3] hold step(s) [5]: starting every rank afresh (no checkpoint) instead" in caplog.text
 
 
 def test_a_step_taken_that_no_rank_kept_the_results_of_is_never_left_out(tmp_path, caplog):
@@ -434,3 +449,19 @@ def test_a_final_checkpoint_that_a_heal_abandoned_is_saved_again(tmp_path):
     resumed = FakeGroup()
     state = ctrl.on_training(Training(RunState(group=resumed, slots=(0,), step=10, first_restore=10)))
     assert isinstance(state, Finished) and not resumed.calls
+
+
+def test_a_rank_that_received_its_state_reports_the_samples_it_read_and_their_trace():
+    """The record a rank gives of the step it holds after a heal, without that step's results
+    (`trainer.heal.step_record`), has what its own `train_step` reported of its data: its
+    replica's samples and, with data.trace, where each came from. A rank with the results
+    reports them as they are."""
+    from distributed import heal_records, run_configs
+
+    cfg = load_config(["+topology=dp2_pp2", "data.trace=true", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    for rank, r in enumerate(run_configs(heal_records, {"dp2_pp2": cfg}, 2)):
+        trained, received = r["trained"], r["received"]
+        assert received["step"] == trained["step"] == 2 and received["consumed_samples"] == 8
+        assert received["samples_read"] == trained["samples_read"] == [4 + 2 * (rank // 2), 2], rank
+        assert received["data_read"] == trained["data_read"] and len(received["data_read"]) == 2
+        assert "loss" not in received and r["kept"] == trained

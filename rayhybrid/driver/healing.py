@@ -47,10 +47,11 @@ class Healing:
         astray = {rank: r["step"] for rank, r in enumerate(done) if r["step"] != plan.step}
         if astray:
             log.warning(
-                "after healing to step %d, rank(s) %s hold step(s) %s: restoring the checkpoint instead",
+                "after healing to step %d, rank(s) %s hold step(s) %s: %s instead",
                 plan.step,
                 sorted(astray),
                 sorted(set(astray.values())),
+                "restoring the checkpoint" if latest is not None else "starting every rank afresh (no checkpoint)",
             )
             if latest is None:  # nothing to load over every rank's state: all start afresh
                 group.reconfigure(group.cfg)
