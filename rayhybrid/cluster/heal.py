@@ -9,14 +9,16 @@ from collections import defaultdict
 
 
 def held(group) -> list[dict | None]:
-    """Each rank's kept state, in rank order: {"step", "bytes", "metrics"}, or None."""
+    """Each rank's kept state, in rank order: {"step", "bytes", "recorded"} (whether it kept
+    that step's results), or None."""
     return group._get([w.held.remote() for w in group.workers], group.start_timeout_s, "heal")
 
 
 def heal(group, sources: dict[int, int]) -> list[dict]:
     """Every rank in `sources` (receiver -> sender, ranks of the new world) receives its state
     from its sender; every other rank takes the state it kept and sends it to the ranks that
-    name it. Returns each rank's {"step", "bytes", "s"}."""
+    name it. Returns each rank's {"step" it now holds, "record" (its record of that step,
+    `trainer.heal.step_record`), "bytes", "s"}."""
     sends = defaultdict(list)
     for dst, src in sources.items():
         sends[src].append(dst)
