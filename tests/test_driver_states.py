@@ -54,7 +54,7 @@ class FakeGroup:
                 self.calls.append(("heal", rank, src, receivers))
                 moved = 100 if src is not None else 100 * len(receivers)  # a receiver: what it got
                 step = self.astray.get(rank, self.kept[rank if src is None else src]["step"])
-                record = self.records.get(rank) if src is None else None
+                record = self.records.get(rank)
                 if record is None:  # what a rank that received its state reports: the samples it read
                     record = {
                         "step": step,
@@ -63,9 +63,14 @@ class FakeGroup:
                     }
                 return {"step": step, "record": record, "bytes": moved, "s": 0.01}
 
+            def trace(step, ranges):
+                self.calls.append(("trace", rank, step, ranges))
+                return [{"step": step, "sample": i} for start, count in ranges for i in range(start, start + count)]
+
             return types.SimpleNamespace(
                 held=types.SimpleNamespace(remote=lambda: self.kept[rank]),
                 heal=types.SimpleNamespace(remote=heal),
+                trace=types.SimpleNamespace(remote=trace),
             )
 
         return [worker(rank) for rank in range(self.world)]
@@ -280,6 +285,32 @@ def test_a_step_only_some_survivors_took_is_healed_forward_and_recorded(tmp_path
     traced = {p.name for p in (tmp_path / "data_trace").iterdir()}
     assert traced == {"rank0.jsonl", "rank1.jsonl"}  # data.trace rows of the step, by rank
     assert state.pending.steps_redone == 0
+
+
+def test_a_step_healed_forward_in_a_shrink_has_every_replica_it_was_trained_by(tmp_path):
+    """dp3 trained step 7 (12 samples, 4 a replica); replica 1 was lost and the run shrank to
+    dp2 (the new replica 1 is the old replica 2). The record of step 7 has the three ranges the
+    step read, the lost replica's from the others' (the data invariant), and with data.trace
+    its rows come from rank 0."""
+    record = {"step": 7, "loss": 0.5, "lr": 1e-3, "grad_norm": 0.1, "step_time_s": 0.1, "tokens_per_s": 1.0}
+    record |= {"consumed_samples": 84, "dp": 3, "pp": 1, "tp": 2}
+
+    def rows(start):
+        return [{"step": 7, "sample": i} for i in range(start, start + 4)]
+
+    records = {
+        r: record | {"samples_read": [72 if r < 2 else 80, 4], "data_read": rows(72 if r < 2 else 80)} for r in range(4)
+    }
+    ahead = {"step": 7, "bytes": 100, "recorded": True}
+    ctrl, group, state = recovering_dp2_tp2(tmp_path, [ahead, dict(ahead), dict(ahead), None], records=records)
+    assert state.run.step == 7
+    (step,) = ctrl.log.history
+    assert step["samples"] == [[72, 4], [76, 4], [80, 4]] and step["dp"] == 3
+    assert [c for c in group.calls if c[0] == "trace"] == [("trace", 0, 7, [[76, 4]])]
+    traced = [
+        json.loads(line)["sample"] for p in (tmp_path / "data_trace").iterdir() for line in p.read_text().splitlines()
+    ]
+    assert sorted(traced) == sorted([*range(72, 84), *range(72, 76), *range(80, 84)])  # each rank's own, and the lost
 
 
 def test_a_heal_whose_ranks_hold_another_step_than_planned_restores_the_checkpoint(tmp_path, caplog):

@@ -1,6 +1,7 @@
 """Peer healing on the worker group: what each worker kept across a failure, and the transfer
 that gives the new ranks their state (rayhybrid/trainer/heal.py does the sending).
-`held(group)` and `heal(group, sources)` are the group's, kept here beside `drain`'s.
+`held(group)`, `heal(group, sources)` and `trace(group, step, ranges)` are the group's, kept
+here beside `drain`'s.
 """
 
 from __future__ import annotations
@@ -24,3 +25,8 @@ def heal(group, sources: dict[int, int]) -> list[dict]:
         sends[src].append(dst)
     calls = [w.heal.remote(sources.get(rank), sorted(sends[rank])) for rank, w in enumerate(group.workers)]
     return group._get(calls, group.start_timeout_s, "heal")
+
+
+def trace(group, step: int, ranges: list[list[int]]) -> list[dict]:
+    """data.trace: rank 0's rows of the samples in `ranges` of step `step` (`TrainWorker.trace`)."""
+    return group._get([group.workers[0].trace.remote(step, ranges)], group.start_timeout_s, "heal")[0]

@@ -59,10 +59,7 @@ def merge_steps(results: list[list[dict] | None], dp: int, replica_size: int) ->
 def _merge(step: list[tuple[int, dict]], dp: int, replica_size: int) -> StepMetrics:
     """One step's per-rank results [(rank, metrics)] -> its record."""
     metrics = dict(next((m for _, m in step if "loss" in m), step[0][1]))
-    # The sample ranges each replica read: [[start, count], ...] in dp order (every rank that
-    # reads, of a first or last stage, reads its replica's).
-    read = {rank // replica_size: m["samples_read"] for rank, m in reversed(step) if m.get("samples_read")}
-    metrics["samples"] = [read.get(d) for d in range(dp)]
+    metrics["samples"] = _samples(step, metrics, dp, replica_size)
     metrics.pop("samples_read", None)
     for name in ("peak_mb", "activation_mb"):  # metrics.memory: every rank's, "rank<r>/stage<s>/<phase>"
         if name in metrics:
@@ -78,3 +75,18 @@ def _merge(step: list[tuple[int, dict]], dp: int, replica_size: int) -> StepMetr
     if "trace" in metrics:  # metrics.trace_steps: every rank's spans
         metrics["trace"] = [event for _, m in step for event in m.get("trace", [])]
     return metrics
+
+
+def _samples(step: list[tuple[int, dict]], metrics: dict, dp: int, replica_size: int) -> list[list[int]]:
+    """The sample ranges each replica read: [[start, count], ...] in dp order (every rank that
+    reads, of a first or last stage, reads its replica's). A step healed forward after a shrink
+    was trained by more replicas than the group has now, some with no rank left: their ranges
+    follow from the others' (sample i is a function of the data, the seed and i; the replicas'
+    ranges tile the step's samples in dp order, docs/design.md, invariant 4)."""
+    read = {rank // replica_size: m["samples_read"] for rank, m in reversed(step) if m.get("samples_read")}
+    trained_dp = metrics.get("dp", dp)
+    if trained_dp == dp and len(read) == dp:
+        return [read[d] for d in range(dp)]
+    (count,) = {c for _, c in read.values()}
+    first = metrics["consumed_samples"] - trained_dp * count
+    return [[first + d * count, count] for d in range(trained_dp)]

@@ -227,6 +227,14 @@ class TrainWorker:
         record = heal.step_record(self.trainer, metrics)
         return {"step": self.trainer.step, "record": record, "bytes": moved, "s": time.perf_counter() - start}
 
+    def trace(self, step: int, ranges: list[list[int]]) -> list[dict]:
+        """data.trace: the rows of the samples in `ranges` ([start, count]) read in step `step`.
+        Where a sample came from is a function of the data, the seed and the sample, so any
+        rank gives the rows of a replica lost with its step (a shrink that healed forward)."""
+        from rayhybrid.data.streams import Shard, trace_rows
+
+        return [row for start, count in ranges for row in trace_rows(self.trainer.stream, step, Shard(start, count))]
+
     def train(self, steps: int = 1, inject: str | None = None) -> list[dict]:
         """Train `steps` steps, each followed by the held-out loss when eval.every says so;
         `inject`: a `fault.inject` kind to trigger first (kill, hang, raise)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from rayhybrid.cluster.heal import heal, held
+from rayhybrid.cluster.heal import heal, held, trace
 from rayhybrid.cluster.results import merge_steps
 from rayhybrid.config.schema import Config
 from rayhybrid.driver.policies import HealPlan, HealPolicy
@@ -59,7 +59,7 @@ class Healing:
         log.info("healed: %.1f MB sent in %.2fs", sent / 1e6, took)
         finished = []
         if plan.step > run.step:  # ranks that passed the last vote stepped: the driver never had that step
-            (record,) = merge_steps([[r["record"]] for r in done], topo.dp, topo.replica_size)
+            record = _record(group, done)
             finished = record.pop("checkpoints", [])
             self.log.step(record)
         intr = intr.but(
@@ -91,6 +91,20 @@ class Healing:
             )
             return None
         return plan
+
+
+def _record(group, done: list[dict]) -> dict:
+    """The record of the step healed forward, by the one merge of every step from each rank's
+    record of it. With data.trace, the samples of a replica lost with the step (a shrink: no
+    rank of it is left) get their rows from rank 0, which can tell where any sample came from."""
+    topo = group.layout.topology
+    (record,) = merge_steps([[r["record"]] for r in done], topo.dp, topo.replica_size)
+    if "data_read" in record:
+        traced = {row["sample"] for rows in record["data_read"].values() for row in rows}
+        lost = [r for r in record["samples"] if r[0] not in traced]
+        if lost:
+            record["data_read"]["0"] = [*record["data_read"].get("0", []), *trace(group, record["step"], lost)]
+    return record
 
 
 def _by_rank(topo, plan: HealPlan) -> dict[int, int]:
