@@ -193,7 +193,11 @@ def read_dataset(inputs: Inputs, field: str, runtime_env: dict | None):
     items = ray.data.from_items([{"path": s.path} for s in files], override_num_blocks=read_tasks(files))
     kwargs = {"fs": inputs.fs, "fmt": inputs.format, "field": field, "protocol": inputs.protocol}
     remote = {"num_cpus": TASK_CPUS, "runtime_env": runtime_env}
-    return items.map_batches(read_files, batch_size=1, fn_kwargs=kwargs, **remote)
+    # Not fused into the tokenizers' operator (Ray Data fuses maps whose remote args agree): the
+    # fused operator would bundle the file names up to a tokenizer batch, so one actor would
+    # read and tokenize every file in one task, alone, into one shard. A `ray_remote_args_fn`
+    # keeps the read tasks apart (one per file, each a block for any actor).
+    return items.map_batches(read_files, batch_size=1, fn_kwargs=kwargs, ray_remote_args_fn=dict, **remote)
 
 
 NODES_FIX = (
