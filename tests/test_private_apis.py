@@ -21,9 +21,9 @@ the source since building one would need a process group or a cluster.
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import logging
+import pkgutil
 import re
 import sys
 from pathlib import Path
@@ -136,19 +136,11 @@ _MISSING = object()
 
 
 def lookup(path: str):
-    """The object at `path` (the longest importable module, then attributes), or _MISSING."""
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:]:
-            obj = getattr(obj, name, _MISSING)
-            if obj is _MISSING:
-                return _MISSING
-        return obj
-    return _MISSING
+    """The object at `path` (a module, then attributes), or _MISSING."""
+    try:
+        return pkgutil.resolve_name(path)
+    except (ImportError, AttributeError):
+        return _MISSING
 
 
 def sets_on_instances(cls: type, name: str) -> bool:

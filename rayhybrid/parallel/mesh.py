@@ -12,8 +12,8 @@ naming what is lost, instead of an assignment that silently does nothing."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
+import pkgutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,19 +44,10 @@ _MISSING = object()
 
 def _lookup(path: str):
     """The object at dotted `path` (a module, then attributes); `_MISSING` when it is not there."""
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        try:
-            for name in parts[cut:]:
-                obj = getattr(obj, name)
-        except AttributeError:
-            return _MISSING
-        return obj
-    return _MISSING
+    try:
+        return pkgutil.resolve_name(path)
+    except (ImportError, AttributeError):
+        return _MISSING
 
 
 def _missing(paths) -> list[str]:
