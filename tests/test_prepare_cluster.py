@@ -95,20 +95,21 @@ def test_prepare_to_a_path_every_node_sees_writes_there(cluster, tok_dir, tmp_pa
 def test_check_datasets_on_every_node(cluster):
     """The start-up check itself: a dataset both nodes see passes; at a path where the odd
     node finds nothing, or another dataset, it names the odd node and the setting."""
+    from rayhybrid.data.packing import prepared_sources
     from rayhybrid.storage.visibility import check_datasets
 
     c, shared, own, odd = cluster
     nodes = [n.node_id for n in c.list_all_nodes()]
     write_dataset(shared / "ds", random_documents(50))
-    check_datasets(DataConfig(name="prepared", path=str(shared / "ds")), nodes, {})
+    check_datasets(prepared_sources(DataConfig(name="prepared", path=str(shared / "ds"))), nodes, {})
     here = DataConfig(name="prepared", mix=({"path": str(shared / "ds")}, {"path": "/proc/self/cwd/ds"}))
     with pytest.raises(ConfigError) as err:
-        check_datasets(here, nodes, {})
+        check_datasets(prepared_sources(here), nodes, {})
     assert_names_the_odd_node(err.value, odd, "data.mix[1].path", f"does not see its {INDEX}", "a mount every node")
     write_dataset(own / "ds", random_documents(50, seed=9))
     try:
         with pytest.raises(ConfigError) as err:
-            check_datasets(DataConfig(name="prepared", val_path="/proc/self/cwd/ds"), nodes, {})
+            check_datasets(prepared_sources(DataConfig(name="prepared", val_path="/proc/self/cwd/ds")), nodes, {})
         assert_names_the_odd_node(err.value, odd, "data.val_path", "sees another dataset there")
     finally:
         for path in (own / "ds").iterdir():

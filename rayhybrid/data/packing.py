@@ -125,6 +125,15 @@ def mixture_entries(data) -> list[tuple[str, str, float]]:
     return out
 
 
+def prepared_sources(data) -> list[tuple[str, str]]:
+    """(setting, URL) of every prepared dataset `data` names: `mixture_entries`' and
+    data.val_path; none unless data=prepared."""
+    if data.name != "prepared":
+        return []
+    named = [(setting, url) for setting, url, _ in mixture_entries(data)] + [("data.val_path", data.val_path)]
+    return [(setting, url) for setting, url in named if url]
+
+
 def training_documents(dataset: PreparedDataset) -> np.ndarray | None:
     """The documents training reads: every one but the held-out ones (None: all of them)."""
     held = dataset.held_out

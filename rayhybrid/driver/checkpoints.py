@@ -18,6 +18,7 @@ import time
 import ray
 
 from rayhybrid.config.schema import Config
+from rayhybrid.data.packing import prepared_sources
 from rayhybrid.driver.records import Interruption, steps_redone
 from rayhybrid.driver.runlog import RunLog
 from rayhybrid.driver.state import RunState
@@ -54,7 +55,7 @@ class CheckpointLedger:
         driver's own node sees by definition; stores are checked everywhere (the workers'
         credentials are not the driver's)."""
         nodes = [n for n in group.nodes_of(list(slots)) if n not in run.checked_nodes]
-        check_datasets(self.cfg.data, nodes, group.env)  # a prepared dataset on a local path
+        check_datasets(prepared_sources(self.cfg.data), nodes, group.env)  # a prepared dataset on a local path
         if not self.cfg.checkpoint.enabled and self.default_dir:
             return run.but(checked_nodes=run.checked_nodes | set(nodes))  # no checkpoint is written or read
         if nodes and self.store.local:

@@ -140,22 +140,12 @@ def _sees_dataset(url: str, digest: str) -> str | None:
     return None if seen == digest else "sees another dataset there (a disk of its own?)"
 
 
-def prepared_paths(data) -> list[tuple[str, str]]:
-    """(setting, path or URL) of each prepared dataset `data` (the config's DataConfig) names:
-    data.path or data.mix's entries, and data.val_path."""
-    if data.name != "prepared":
-        return []
-    entries = [("data.path", data.path)] if not data.mix else []
-    for i, m in enumerate(data.mix):
-        entries.append((f"data.mix[{i}].path", m.get("path", "") if isinstance(m, dict) else m.path))
-    return [(setting, url) for setting, url in [*entries, ("data.val_path", data.val_path)] if url]
-
-
-def check_datasets(data, nodes: list[str], env: dict[str, str]) -> None:
+def check_datasets(datasets: list[tuple[str, str]], nodes: list[str], env: dict[str, str]) -> None:
     """Before training: every node of `nodes` but the driver's sees each prepared dataset of
-    `data` that is on a local path as the driver does (the same index.json); else a
-    ConfigError naming its setting. Datasets in object stores are left to the readers."""
-    local = [(setting, url) for setting, url in prepared_paths(data) if not is_remote(url)]
+    `datasets` ((setting, path or URL): `data.packing.prepared_sources`) that is on a local
+    path as the driver does (the same index.json); else a ConfigError naming its setting.
+    Datasets in object stores are left to the readers."""
+    local = [(setting, url) for setting, url in datasets if not is_remote(url)]
     if local and nodes:
         here = ray.get_runtime_context().get_node_id()
         nodes = [n for n in nodes if n != here]
