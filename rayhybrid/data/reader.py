@@ -135,14 +135,17 @@ def _fetch(ds: PreparedDataset, ranges: list[tuple[int, int]], cache_dir: str) -
     if cache_dir:
         size = ds.dtype.itemsize
         return [ds.decode([blob]) for blob in _cached(ds, [(a * size, b * size) for a, b in ranges], cache_dir)]
-    spans = [ds.byte_ranges(a, b) for a, b in ranges]
+    return [ds.decode(blobs) for blobs in _read_spans(ds, [ds.byte_ranges(a, b) for a, b in ranges])]
+
+
+def _read_spans(ds: PreparedDataset, spans: list[list[tuple[str, int, int]]]) -> list[list[bytes]]:
+    """The bytes of each span (its ranges of shard files, `PreparedDataset.byte_ranges`), read
+    in one batched call: concurrent ranged GETs on object stores."""
     flat = [s for span in spans for s in span]
-    if not flat:
-        return [np.zeros(0, np.int64) for _ in ranges]
-    blobs = ds.fs.cat_ranges(*map(list, zip(*flat)), on_error="raise")
+    blobs = ds.fs.cat_ranges(*map(list, zip(*flat)), on_error="raise") if flat else []
     out, k = [], 0
     for span in spans:
-        out.append(ds.decode(blobs[k : k + len(span)]))
+        out.append(blobs[k : k + len(span)])
         k += len(span)
     return out
 
@@ -194,12 +197,8 @@ def _fill(ds: PreparedDataset, chunks: list[int], paths: list[str], sizes: list[
     shards is a ranged read of each) and write each whole to its path."""
     item = ds.dtype.itemsize
     spans = [ds.byte_ranges(c * CACHE_CHUNK // item, (c * CACHE_CHUNK + n) // item) for c, n in zip(chunks, sizes)]
-    flat = [s for span in spans for s in span]
-    blobs = ds.fs.cat_ranges(*map(list, zip(*flat)), on_error="raise")
-    k = 0
-    for span, path, n in zip(spans, paths, sizes):
-        blob = b"".join(blobs[k : k + len(span)])
-        k += len(span)
+    for blobs, path, n in zip(_read_spans(ds, spans), paths, sizes):
+        blob = b"".join(blobs)
         if len(blob) != n:
             raise OSError(f"{ds.url}: its shards hold fewer bytes than {INDEX} says; prepare it again")
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
