@@ -119,3 +119,9 @@ class ModelSpec:
     memory: MemoryModel | None = None
     hf: Any = None
     description: str = ""
+    loss: Callable[[Any, Any], Any] | None = None
+    """The family's own training loss, `loss(logits, targets) -> the SUM over the micro-batch's
+    tokens` (a 0-d tensor; the trainer divides by the replica's token count, so micro-batch
+    losses add up to the replica's mean). It runs inside torch's `loss_parallel()` when the
+    output is tensor-parallel, so it must work on sharded logits as `F.cross_entropy` does.
+    None: summed token cross-entropy."""
