@@ -74,6 +74,55 @@ def sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the rayhybrid modules it imports, at module level or inside functions.
+    `from package import name` counts as an import of the submodule package.name where there is
+    one (that is the module it loads), else of the package."""
+    modules = {module_name(path): path for path in sources()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("rayhybrid"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names if alias.name.startswith("rayhybrid"))
+        graph[name] = {target for target in found if target in modules and target != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm): each
+    is a set of modules that import one another round a circle, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
 def arrows_up() -> list[str]:
     bad = []
     for path in sources():
@@ -100,6 +149,20 @@ def spans() -> list[tuple[int, str, str]]:
 
 def test_no_import_runs_up_the_layers():
     assert arrows_up() == []
+
+
+def test_no_import_circles():
+    """No two rayhybrid modules import each other round a circle, directly or through others,
+    counting the imports inside functions: a lazy import written round a circle hides it, it
+    does not break it (data/reader.py and data/streams.py, plan/estimate.py and plan/memory.py
+    were two)."""
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_root_keeps_only_the_public_entry_points():
@@ -156,6 +219,7 @@ if __name__ == "__main__":
     functions = sorted((s for s in figures if s[1] == "function"), reverse=True)[:3]
     modules = sorted((len(p.read_text().splitlines()), str(p.relative_to(PACKAGE.parent))) for p in sources())
     print(f"arrows up: {len(arrows_up())}")
+    print(f"import circles: {import_cycles(import_graph())}")
     print("largest classes:", ", ".join(f"{w} {n}" for n, _, w in classes))
     print("largest functions:", ", ".join(f"{w} {n}" for n, _, w in functions))
     print("largest modules:", ", ".join(f"{w} {n}" for n, w in modules[-3:]))

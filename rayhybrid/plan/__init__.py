@@ -8,7 +8,7 @@ Nothing trains; Ray is imported only to place against a cluster.
 
 `rayhybrid.plan.estimate` holds the formulas (`model_flops_per_token`, `block_bytes`,
 `communication`, ...); `rayhybrid.plan.memory` each rank's peak memory, term by term
-(`rank_memory`, also importable from `estimate`); `rayhybrid.plan.schedule` the pipeline
+(`rank_memory`, built on `estimate`'s formulas); `rayhybrid.plan.schedule` the pipeline
 schedules' action orders.
 """
 
