@@ -165,6 +165,29 @@ def test_the_cycle_finder_finds_a_circle():
     assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
+def imports_of_tests(directory: Path) -> list[str]:
+    """Every import of the `tests` package (or a module of it) by a Python file under
+    `directory`, at module level or inside functions, as "file: module"."""
+    found = []
+    for path in sorted(directory.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(directory.parent)}: {n}" for n in names if n.split(".")[0] == "tests"]
+    return found
+
+
+def test_benchmarks_import_nothing_from_the_tests():
+    """The benchmarks stand on their own: what they share with the tests (the loopback S3
+    server, clusters of several raylets) lives in benchmarks/ and the tests import it from there,
+    never the other way round."""
+    assert imports_of_tests(PACKAGE.parent / "benchmarks") == []
+
+
 def test_the_root_keeps_only_the_public_entry_points():
     assert {p.name for p in PACKAGE.glob("*.py")} == ROOT_MODULES
 

@@ -4,7 +4,7 @@ any S3 settings: the driver alone has the endpoint and the credentials (moto's S
 mid-upload all go through the bucket; the start-up check refuses a node that sees another store.
 
 Every AWS client started from this module points at a dead loopback port unless told the moto
-endpoint (tests/s3.py), so nothing here can reach a real cloud."""
+endpoint (benchmarks/s3.py), so nothing here can reach a real cloud."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 import rayhybrid
+from benchmarks.clusters import add_node, local_cluster
 from rayhybrid.errors import ConfigError
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store
 from tests import s3
-from tests.clusters import add_node, local_cluster
 from tests.test_recovery import events, in_background, losses, when_step
 
 pytestmark = pytest.mark.slow
