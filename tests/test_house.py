@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,6 +187,64 @@ def test_benchmarks_import_nothing_from_the_tests():
     server, clusters of several raylets) lives in benchmarks/ and the tests import it from there,
     never the other way round."""
     assert imports_of_tests(PACKAGE.parent / "benchmarks") == []
+
+
+FRONT_PAGE_MAX_LINES = 300
+"""README.md is the front page: what rayhybrid is, the quick start and a short tour; the detail
+is in docs/*.md, which it links to."""
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _headings(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings, as GitHub makes them."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.*)$", text, re.MULTILINE)
+    }
+
+
+def relative_links(page: Path) -> list[tuple[str, str | None]]:
+    """(link, None when it resolves, else why not) for each relative link of a Markdown page
+    outside code blocks: the file must exist and an #anchor must name one of its headings."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    out = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path) if path else page
+        why = None
+        if not dest.exists():
+            why = "no such file"
+        elif anchor and dest.suffix == ".md" and anchor not in _headings(dest):
+            why = f"{dest.name} has no heading #{anchor}"
+        out.append((target, why))
+    return out
+
+
+def test_the_readme_is_a_front_page_whose_links_resolve():
+    root = PACKAGE.parent
+    lines = len((root / "README.md").read_text().splitlines())
+    assert lines < FRONT_PAGE_MAX_LINES, f"README.md has {lines} lines; move detail to docs/*.md"
+    links = {page.name: relative_links(page) for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]}
+    assert len(links["README.md"]) >= 10  # the finder finds them
+    assert {
+        name: [(t, why) for t, why in found if why] for name, found in links.items() if any(w for _, w in found)
+    } == {}
+
+
+def test_the_link_check_finds_a_broken_link(tmp_path):
+    (tmp_path / "a.md").write_text("# Top\n\n## Some Heading, here\n")
+    page = tmp_path / "README.md"
+    page.write_text("[a](a.md) [b](a.md#some-heading-here) [c](a.md#nowhere) [d](gone.md) [e](https://x.y/z)\n")
+    assert relative_links(page) == [
+        ("a.md", None),
+        ("a.md#some-heading-here", None),
+        ("a.md#nowhere", "a.md has no heading #nowhere"),
+        ("gone.md", "no such file"),
+    ]
 
 
 def test_the_root_keeps_only_the_public_entry_points():
