@@ -17,7 +17,7 @@ def run(tmp: Path, quick: bool) -> dict:
     `python -m rayhybrid.plan` predicts by walking the schedule's order (rayhybrid.plan.estimate)."""
     sys.path.insert(0, str(common.ROOT))
     from rayhybrid.plan.estimate import bubble_fraction
-    from rayhybrid.plan.memory import rank_memory
+    from rayhybrid.plan.peak_memory import rank_memory
     from rayhybrid.preflight import load_config
 
     cases = {

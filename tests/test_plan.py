@@ -18,7 +18,7 @@ from rayhybrid.config.topology import Topology
 from rayhybrid.models.gpt.model import num_params
 from rayhybrid.plan import build_plan
 from rayhybrid.plan import estimate as est
-from rayhybrid.plan.memory import rank_memory
+from rayhybrid.plan.peak_memory import rank_memory
 from rayhybrid.plan.schedule import rank_actions
 from rayhybrid.preflight import load_config
 

@@ -1,6 +1,6 @@
 """What a training step costs, per rank, without building anything: parameters, memory,
 communication, pipeline bubble, FLOPs. The formulas common to every model live here; each
-rank's peak memory, term by term (`rank_memory`), is rayhybrid/plan/memory.py's, which builds
+rank's peak memory, term by term (`rank_memory`), is rayhybrid/plan/peak_memory.py's, which builds
 on them; what is particular to a model (its parameter tensors and TP plan, what its blocks save
 for backward, its parameter and FLOP counts) comes from its spec's `MemoryModel`
 (rayhybrid/models/spec.py; the GPT's in rayhybrid/models/gpt/memory.py, Llama's in

@@ -6,14 +6,14 @@ from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout, Topology
 from rayhybrid.models.registry import BUILTIN
 from rayhybrid.plan import estimate as est
-from rayhybrid.plan.memory import rank_memory
+from rayhybrid.plan.peak_memory import rank_memory
 
 MB = est.MB
 
 
 def build_plan(cfg: Config, placement: dict | None = None) -> dict:
     """The plan of `cfg` as one JSON-able dict (`python -m rayhybrid.plan --json`); `placement`:
-    where a cluster put the ranks (rayhybrid/plan/placement.py), or None."""
+    where a cluster put the ranks (rayhybrid/plan/trial_placement.py), or None."""
     t, model = cfg.topology, cfg.model
     topo = Topology(t.dp, t.pp, t.tp)
     all_stages = est.stages(cfg)
