@@ -21,7 +21,7 @@ def run(tmp: Path, quick: bool) -> dict:
     (moto's server on 127.0.0.1, in this process) and onto local disk, for the tiny default model
     and one about 100x larger; one rank, a save every few steps. Per run: the time blocked per
     save and the upload's time (checkpoint events), and step times while an upload is in flight
-    against steps with none (see _checkpoint_stats)."""
+    against steps with none (see checkpoint_stats)."""
     # A save every `every` steps and at the last; the larger model's upload takes several steps.
     models = {
         "tiny": {"overrides": [], "steps": 20 if quick else 30, "every": 5},
