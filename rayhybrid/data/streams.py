@@ -3,6 +3,10 @@
 Sample `i` is a function of (data config, seed, i) alone, so step k reads global samples
 ``[k*G, (k+1)*G)`` and dp rank r reads its contiguous share, whatever dp is. Resume, restart
 and resize need only `consumed_samples`.
+
+Here: the streams of generated, text and token data, and `build_stream` / `build_held_out`,
+which pick each kind's stream (prepared data's is `reader.PreparedStream`). Their base class is
+`samples.SampleStream`, which the prepared reader builds on too.
 """
 
 from __future__ import annotations
