@@ -1,7 +1,9 @@
 """The house rules of docs/design.md ("Layers and what each owns"), read from the source: each
-package imports only floors below its own, the package root keeps only the public entry
-points, no class is over 300 lines and no function over 60, and validating a config never
-imports torch. `python tests/test_house.py` prints the figures."""
+package imports only floors below its own, no modules import each other round a circle (lazy
+imports counted), the package root keeps only the public entry points, no class is over 300
+lines and no function over 60, and validating a config never imports torch. Beside the package:
+benchmarks/ imports nothing from tests/, and README.md is a front page under 300 lines whose
+links resolve. `python tests/test_house.py` prints the figures."""
 
 from __future__ import annotations
 
