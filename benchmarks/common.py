@@ -19,6 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
+# Big enough that compute dominates a step on one CPU thread per rank (~0.5 s per micro-batch
+# pass), small enough for minutes: 4 layers, d 256, seq 128, vocab 2048.
+MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.vocab_size=2048", "data.seq_len=128"]
+QUIET = ["checkpoint.every=0", "train.log_every=100"]
+
 
 def env(extra: dict | None = None) -> dict:
     e = dict(os.environ) | (extra or {})
@@ -148,10 +153,3 @@ def torchrun(n: int) -> list[str]:
 def intervals(walls: list[float]) -> list[float]:
     """Seconds between consecutive steps' wall-clock times."""
     return [b - a for a, b in itertools.pairwise(walls)]
-
-
-# A real S3 server to measure against: moto's server mode on 127.0.0.1, in a thread of this
-# process; the tests' helpers (tests/s3.py), which point every AWS client at a dead loopback
-# port first, so nothing here can reach a real cloud.
-sys.path.insert(0, str(ROOT))
-from tests.s3 import CREDENTIALS, loopback_aws, make_bucket, moto_server  # noqa: F401

@@ -1,64 +1,17 @@
-"""A real S3 server for tests: moto's server mode on 127.0.0.1, in a thread of the test process.
+"""S3 for tests: moto's server on loopback (benchmarks/s3.py, which the benchmarks measure
+against too), and what only the tests need on top of it: a whole session with a bucket
+(`s3_session`), a server in a process of its own (`moto_process`) and a bucket's objects
+(`objects`).
 
-    with loopback_aws():              # first: no client can reach a real cloud from here on
-        with moto_server() as endpoint:
-            os.environ["AWS_ENDPOINT_URL"] = endpoint
-            make_bucket("ckpts")
-
-`loopback_aws` points every AWS client of this process, and of every process started from it
-meanwhile (Ray nodes), at a dead loopback port and removes any credentials, so a client that
-lost its endpoint fails here instead of reaching AWS.
+    with s3_session("ckpts") as endpoint:    # AWS_ENDPOINT_URL and test credentials set
+        ...
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 
-DEAD_ENDPOINT = "http://127.0.0.1:9"  # the discard port: nothing listens there
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-@contextlib.contextmanager
-def env(**values: str | None):
-    """Set (or with None, remove) environment variables; restore them afterwards."""
-    before = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
-def loopback_aws():
-    names = [k for k in os.environ if k.startswith("AWS_")]
-    with env(**dict.fromkeys(names), AWS_ENDPOINT_URL=DEAD_ENDPOINT, AWS_EC2_METADATA_DISABLED="true"):
-        yield
-
-
-@contextlib.contextmanager
-def moto_server():
-    """Start moto's S3 server on a free loopback port; yields its endpoint URL."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # verbose=False leaves the request log on
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+from benchmarks.s3 import CREDENTIALS, env, loopback_aws, make_bucket, moto_server
 
 
 @contextlib.contextmanager
@@ -90,13 +43,6 @@ def moto_process():
     finally:
         proc.kill()
         proc.wait()
-
-
-def make_bucket(name: str, endpoint: str) -> None:
-    import s3fs
-
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing", skip_instance_cache=True)
-    fs.mkdir(name)
 
 
 def objects(url: str, endpoint: str) -> dict[str, bytes]:

@@ -1,5 +1,5 @@
 """benchmarks/ (not run here: they take minutes): the Lightning-style baseline search, the
-report's sections from a results file, and run.py's argument errors."""
+checkpoint statistics, the report's sections from a results file, and run.py's argument errors."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import batch_search
+import checkpoints
 import report
-import run as bench_run
 
 
 @pytest.mark.parametrize("largest", [1, 2, 3, 9, 16, 17, 100])
@@ -25,7 +26,7 @@ def test_lightning_binsearch_doubles_then_bisects(largest):
         tried.append(m)
         return m <= largest
 
-    assert bench_run._lightning_binsearch(fits, init=2) == largest
+    assert batch_search.lightning_binsearch(fits, init=2) == largest
     doubling = [2 * 2**i for i in range(len(tried)) if 2 * 2**i <= max(tried)]
     assert tried[: len(doubling)] == doubling  # 2, 4, 8, ... until the first failure
     if largest == 9:
@@ -122,7 +123,7 @@ def test_checkpoint_stats_split_steps_by_upload_in_flight():
     records += [_step(9, 4.0, 16.2), _step(10, 2.0, 18.2), _step(11, 2.0, 20.2), _step(12, 2.0, 22.2)]
     records += [{"event": "checkpoint", "step": 8, "blocked_s": 0.3, "upload_s": 9.0, "async": True}]
     records += [{"event": "checkpoint_failed", "step": 12, "path": "s3://b/x", "error": "boom"}]
-    stats = bench_run._checkpoint_stats(records)
+    stats = checkpoints.checkpoint_stats(records)
     assert stats["saves"] == 2 and stats["failed"] == ["step 12: boom"]
     assert stats["blocked_s"] == pytest.approx(0.2) and stats["upload_s"] == pytest.approx(5.75)
     assert stats["uploading_steps"] == 6  # 5, 6 and 9-12; steps 1, 2 are warm-up
@@ -136,7 +137,7 @@ def test_checkpoint_stats_split_steps_by_upload_in_flight():
     sync = [_step(k, 1.0, float(k)) for k in range(1, 5)]
     sync += [{"event": "checkpoint", "step": 4, "blocked_s": 2.0, "upload_s": 1.9, "async": False}]
     sync += [_step(5, 1.5, 7.5), _step(6, 1.0, 8.5)]
-    stats = bench_run._checkpoint_stats(sync)
+    stats = checkpoints.checkpoint_stats(sync)
     assert stats["uploading_steps"] == 0 and stats["uploading_s"] is None and stats["slowdown"] is None
     assert stats["quiet_steps"] == 4 and stats["after_save_s"] == 1.5 and stats["outlasted"] == 0
     assert stats["driver_pause_s"] == pytest.approx(2.0)  # 7.5 - 4 - 1.5, less a usual gap of 0

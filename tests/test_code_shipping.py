@@ -263,7 +263,7 @@ def outside(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def cluster(outside):
-    from tests.clusters import local_cluster
+    from benchmarks.clusters import local_cluster
 
     with local_cluster(head_cpus=1, node_cpus=[1]) as (c, _):
         yield c

@@ -10,7 +10,7 @@ micro-batches, so dp2 adds one micro-batch's gradients from each replica (a + b,
 all-reduce) and dp1 accumulates both (0 + a + b): the same float32 sums, the halving exact.
 
 Every AWS client started from this module points at a dead loopback port unless told the moto
-endpoint (tests/s3.py): the nodes start without S3 settings and the driver forwards its own.
+endpoint (benchmarks/s3.py): the nodes start without S3 settings and the driver forwards its own.
 Checkpoints (every 2 steps) go to the driver's disk, which every node of this one-machine
 cluster sees: through the S3 server they would double the run's time on 2 cores."""
 
@@ -27,8 +27,8 @@ import pytest
 import ray
 
 import rayhybrid
-from tests import s3
-from tests.clusters import add_node, local_cluster
+from benchmarks import s3 as s3_server
+from benchmarks.clusters import add_node, local_cluster
 from tests.prepared import random_documents, write_dataset
 from tests.test_recovery import in_background, losses
 
@@ -64,12 +64,12 @@ def common(web: str, code: str) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster():
     with (
-        s3.loopback_aws(),
+        s3_server.loopback_aws(),
         local_cluster(head_cpus=0, node_cpus=[NODE_CPUS, NODE_CPUS]) as (c, _),  # nodes: no S3 settings
-        s3.moto_server() as endpoint,
-        s3.env(AWS_ENDPOINT_URL=endpoint, **s3.CREDENTIALS),
+        s3_server.moto_server() as endpoint,
+        s3_server.env(AWS_ENDPOINT_URL=endpoint, **s3_server.CREDENTIALS),
     ):
-        s3.make_bucket(BUCKET, endpoint)
+        s3_server.make_bucket(BUCKET, endpoint)
         yield c
 
 

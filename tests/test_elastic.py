@@ -13,12 +13,12 @@ import ray
 from ray.cluster_utils import Cluster
 
 import rayhybrid
+from benchmarks.clusters import add_node, local_cluster
 from rayhybrid.config.compose import compose, to_config
 from rayhybrid.config.validate import usable_dps
 from rayhybrid.driver.controller import RunFailed
 from rayhybrid.errors import ConfigError
 from rayhybrid.preflight import validate
-from tests.clusters import add_node, local_cluster
 from tests.test_recovery import KillInJoin, in_background, losses, when_step
 
 # A replica is pp2 x tp1: two ranks, one node of 2 CPUs. G=12 splits for dp 1, 2 and 3.

@@ -20,7 +20,7 @@ from rayhybrid.config.compose import available_options, compose
 from rayhybrid.config.schema import with_dp
 from rayhybrid.config.validate import usable_dps
 from rayhybrid.errors import ConfigError
-from rayhybrid.plan.report import build_plan
+from rayhybrid.plan.dry_run import build_plan
 from rayhybrid.preflight import load_config
 from tests.test_cli import REPO, assert_one_line_error, run_cli
 

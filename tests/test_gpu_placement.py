@@ -15,6 +15,7 @@ import ray
 import torch
 from ray.util.placement_group import placement_group_table
 
+from benchmarks.clusters import local_cluster
 from rayhybrid.cluster.connect import resolve_shape
 from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.cluster.placement import alive_nodes, check_capacity
@@ -22,7 +23,6 @@ from rayhybrid.cluster.worker import CONTROL, TrainWorker
 from rayhybrid.config.compose import compose, to_config
 from rayhybrid.config.topology import Layout
 from rayhybrid.parallel.mesh import choose_device, select_backend
-from tests.clusters import local_cluster
 
 NODES, GPUS = 2, 4
 

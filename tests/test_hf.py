@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (rayhybrid/models/hf.py, trainer/hf_load.py, export.py).
+"""Hugging Face checkpoints in and out (rayhybrid/models/hf.py, trainer/hf_load.py, export/).
 
 A tiny random LlamaForCausalLM, built offline and saved with save_pretrained, is the reference:
 - `model.init_from` loads it under any topology and the first step's loss is transformers' loss
@@ -421,10 +421,14 @@ def test_export_errors(tmp_path, capsys, case, words):
 
 
 def test_export_help():
-    from rayhybrid.export import __doc__ as doc
+    """--help prints the command line's usage (rayhybrid/export/cli.py's docstring), whose
+    options are the parser's."""
+    from rayhybrid.export.cli import __doc__ as doc
 
     proc = run_module("rayhybrid.export", "--help")
     assert proc.returncode == 0 and proc.stdout.strip() == doc.strip()
+    for option in ("--checkpoint", "--out", "--storage-option", "--dtype", "--max-shard-gb"):
+        assert option in doc
 
 
 @pytest.mark.slow

@@ -1,12 +1,15 @@
 """The house rules of docs/design.md ("Layers and what each owns"), read from the source: each
-package imports only floors below its own, the package root keeps only the public entry
-points, no class is over 300 lines and no function over 60, and validating a config never
-imports torch. `python tests/test_house.py` prints the figures."""
+package imports only floors below its own, no modules import each other round a circle (lazy
+imports counted), the package root keeps only the public entry points, no class is over 300
+lines and no function over 60, and validating a config never imports torch. Beside the package:
+benchmarks/ imports nothing from tests/, and README.md is a front page under 300 lines whose
+links resolve. `python tests/test_house.py` prints the figures."""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +77,55 @@ def sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the rayhybrid modules it imports, at module level or inside functions.
+    `from package import name` counts as an import of the submodule package.name where there is
+    one (that is the module it loads), else of the package."""
+    modules = {module_name(path): path for path in sources()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("rayhybrid"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names if alias.name.startswith("rayhybrid"))
+        graph[name] = {target for target in found if target in modules and target != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm): each
+    is a set of modules that import one another round a circle, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
 def arrows_up() -> list[str]:
     bad = []
     for path in sources():
@@ -100,6 +152,101 @@ def spans() -> list[tuple[int, str, str]]:
 
 def test_no_import_runs_up_the_layers():
     assert arrows_up() == []
+
+
+def test_no_import_circles():
+    """No two rayhybrid modules import each other round a circle, directly or through others,
+    counting the imports inside functions: a lazy import written round a circle hides it, it
+    does not break it (data/reader.py and data/streams.py, plan/estimate.py and plan/memory.py,
+    now plan/peak_memory.py, were two)."""
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def imports_of_tests(directory: Path) -> list[str]:
+    """Every import of the `tests` package (or a module of it) by a Python file under
+    `directory`, at module level or inside functions, as "file: module"."""
+    found = []
+    for path in sorted(directory.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(directory.parent)}: {n}" for n in names if n.split(".")[0] == "tests"]
+    return found
+
+
+def test_benchmarks_import_nothing_from_the_tests():
+    """The benchmarks stand on their own: what they share with the tests (the loopback S3
+    server, clusters of several raylets) lives in benchmarks/ and the tests import it from there,
+    never the other way round."""
+    assert imports_of_tests(PACKAGE.parent / "benchmarks") == []
+
+
+FRONT_PAGE_MAX_LINES = 300
+"""README.md is the front page: what rayhybrid is, the quick start and a short tour; the detail
+is in docs/*.md, which it links to."""
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _headings(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings, as GitHub makes them."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.*)$", text, re.MULTILINE)
+    }
+
+
+def relative_links(page: Path) -> list[tuple[str, str | None]]:
+    """(link, None when it resolves, else why not) for each relative link of a Markdown page
+    outside code blocks: the file must exist and an #anchor must name one of its headings."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    out = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path) if path else page
+        why = None
+        if not dest.exists():
+            why = "no such file"
+        elif anchor and dest.suffix == ".md" and anchor not in _headings(dest):
+            why = f"{dest.name} has no heading #{anchor}"
+        out.append((target, why))
+    return out
+
+
+def test_the_readme_is_a_front_page_whose_links_resolve():
+    root = PACKAGE.parent
+    lines = len((root / "README.md").read_text().splitlines())
+    assert lines < FRONT_PAGE_MAX_LINES, f"README.md has {lines} lines; move detail to docs/*.md"
+    links = {page.name: relative_links(page) for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]}
+    assert len(links["README.md"]) >= 10  # the finder finds them
+    assert {
+        name: [(t, why) for t, why in found if why] for name, found in links.items() if any(w for _, w in found)
+    } == {}
+
+
+def test_the_link_check_finds_a_broken_link(tmp_path):
+    (tmp_path / "a.md").write_text("# Top\n\n## Some Heading, here\n")
+    page = tmp_path / "README.md"
+    page.write_text("[a](a.md) [b](a.md#some-heading-here) [c](a.md#nowhere) [d](gone.md) [e](https://x.y/z)\n")
+    assert relative_links(page) == [
+        ("a.md", None),
+        ("a.md#some-heading-here", None),
+        ("a.md#nowhere", "a.md has no heading #nowhere"),
+        ("gone.md", "no such file"),
+    ]
 
 
 def test_the_root_keeps_only_the_public_entry_points():
@@ -156,6 +303,7 @@ if __name__ == "__main__":
     functions = sorted((s for s in figures if s[1] == "function"), reverse=True)[:3]
     modules = sorted((len(p.read_text().splitlines()), str(p.relative_to(PACKAGE.parent))) for p in sources())
     print(f"arrows up: {len(arrows_up())}")
+    print(f"import circles: {import_cycles(import_graph())}")
     print("largest classes:", ", ".join(f"{w} {n}" for n, _, w in classes))
     print("largest functions:", ", ".join(f"{w} {n}" for n, _, w in functions))
     print("largest modules:", ", ".join(f"{w} {n}" for n, w in modules[-3:]))

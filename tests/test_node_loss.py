@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import rayhybrid
-from tests.clusters import add_node, local_cluster, lose_power
+from benchmarks.clusters import add_node, local_cluster, lose_power
 from tests.test_recovery import COMMON, in_background, losses, when_step
 
 pytestmark = pytest.mark.slow

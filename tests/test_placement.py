@@ -12,9 +12,9 @@ import pytest
 import ray
 
 import rayhybrid
+from benchmarks.clusters import local_cluster
 from rayhybrid.cluster.placement import ReplicaShape, can_add_nodes, check_capacity
 from rayhybrid.errors import PlacementError
-from tests.clusters import local_cluster
 from tests.test_cli import REPO
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md

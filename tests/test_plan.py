@@ -18,6 +18,7 @@ from rayhybrid.config.topology import Topology
 from rayhybrid.models.gpt.model import num_params
 from rayhybrid.plan import build_plan
 from rayhybrid.plan import estimate as est
+from rayhybrid.plan.peak_memory import rank_memory
 from rayhybrid.plan.schedule import rank_actions
 from rayhybrid.preflight import load_config
 
@@ -341,14 +342,14 @@ def test_most_saved_for_backward_over_the_step():
     ]
     gpipe = load_config([*base, "topology.schedule=gpipe"])
     for r in range(2):
-        mem = est.rank_memory(gpipe, r)
+        mem = rank_memory(gpipe, r)
         assert mem.max_in_flight == {r: m}
         per_mb = mem.activations // mem.in_flight[r]  # at the total peak (in backward) fewer may be held
         assert mem.saved_peak == m * per_mb + (m * 4 * b * s * v if r == 1 else 0)
     one = load_config(base)
-    assert [est.rank_memory(one, r).max_in_flight for r in range(2)] == [{0: 2}, {1: 1}]
+    assert [rank_memory(one, r).max_in_flight for r in range(2)] == [{0: 2}, {1: 1}]
     zbv = load_config([*base, "topology.schedule=zbv", "topology.stages_per_rank=2"])
-    assert est.rank_memory(zbv, 0).max_in_flight[0] == m  # ZB-V's first stage runs every forward first
+    assert rank_memory(zbv, 0).max_in_flight[0] == m  # ZB-V's first stage runs every forward first
 
 
 # ------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from ray._raylet import GcsClient
 from ray.core.generated.autoscaler_pb2 import DRAIN_NODE_REASON_PREEMPTION
 
 import rayhybrid
-from tests.clusters import add_node, local_cluster, lose_power
+from benchmarks.clusters import add_node, local_cluster, lose_power
 from tests.test_recovery import events, in_background, losses, when_step
 
 pytestmark = pytest.mark.slow

@@ -22,10 +22,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never dow
 import pytest
 
 import rayhybrid
+from benchmarks.clusters import add_node, local_cluster
 from rayhybrid.config.schema import DataConfig
 from rayhybrid.data.prepared import INDEX, open_prepared
 from rayhybrid.errors import ConfigError
-from tests.clusters import add_node, local_cluster
 from tests.prepared import random_documents, write_dataset
 from tests.test_prepare import config, local_put, write_corpus
 from tests.tokenizer import corpus, make_tokenizer

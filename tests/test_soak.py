@@ -29,10 +29,10 @@ import pytest
 import ray
 
 import rayhybrid
+from benchmarks.clusters import add_node, local_cluster, lose_power
 from rayhybrid.config.compose import compose, to_config
 from rayhybrid.faults import FaultPlan
 from rayhybrid.storage import checkpoints as checkpoint_store
-from tests.clusters import add_node, local_cluster, lose_power
 from tests.test_recovery import in_background, losses
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 import rayhybrid
+from benchmarks.clusters import HEALTH_CHECKS
 from rayhybrid.cluster.spot import AWS_URL_ENV, GCP_URL_ENV
-from tests.clusters import HEALTH_CHECKS
 from tests.test_recovery import events, in_background, losses, when_step
 from tests.test_spot import closed_url, serving
 

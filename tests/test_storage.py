@@ -1,7 +1,7 @@
 """Checkpoints on any fsspec store (rayhybrid/storage.py, checkpoint_store.py, trainer/checkpoint.py):
 opening stores, the commit marker, asynchronous DCP saves, secrets, the start-up probe and the
 config. Each store test runs on a local directory and on s3:// served by moto on 127.0.0.1
-(tests/s3.py; every AWS client of the process points at a dead loopback port first, so nothing
+(tests/s3.py and benchmarks/s3.py; every AWS client of the process points at a dead loopback port first, so nothing
 reaches a real cloud). One process, a 1-rank gloo group; no Ray."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import yaml
 from fsspec.registry import known_implementations
 from omegaconf import OmegaConf
 
+from benchmarks.s3 import DEAD_ENDPOINT, env
 from rayhybrid.config.compose import normalize_overrides
 from rayhybrid.config.schema import CheckpointConfig, Config
 from rayhybrid.driver.controller import open_store
@@ -44,7 +45,7 @@ from rayhybrid.storage.store import (
 )
 from rayhybrid.trainer import checkpoint as ckpt
 from tests.distributed import free_port
-from tests.s3 import DEAD_ENDPOINT, env, objects, s3_session
+from tests.s3 import objects, s3_session
 
 BUCKET = "rayhybrid-tests"
 

@@ -4,7 +4,7 @@ any S3 settings: the driver alone has the endpoint and the credentials (moto's S
 mid-upload all go through the bucket; the start-up check refuses a node that sees another store.
 
 Every AWS client started from this module points at a dead loopback port unless told the moto
-endpoint (tests/s3.py), so nothing here can reach a real cloud."""
+endpoint (benchmarks/s3.py), so nothing here can reach a real cloud."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 import rayhybrid
+from benchmarks import s3 as s3_server
+from benchmarks.clusters import add_node, local_cluster
 from rayhybrid.errors import ConfigError
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store
 from tests import s3
-from tests.clusters import add_node, local_cluster
 from tests.test_recovery import events, in_background, losses, when_step
 
 pytestmark = pytest.mark.slow
@@ -33,12 +34,12 @@ KEY, SECRET = f"key-{uuid.uuid4().hex[:12]}", f"secret-{uuid.uuid4().hex}"
 @pytest.fixture(scope="module")
 def cluster():
     with (
-        s3.loopback_aws(),
+        s3_server.loopback_aws(),
         local_cluster(head_cpus=0, node_cpus=[4, 4]) as (c, _),  # nodes: no endpoint, no credentials
-        s3.moto_server() as endpoint,
-        s3.env(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET),
+        s3_server.moto_server() as endpoint,
+        s3_server.env(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET),
     ):
-        s3.make_bucket("ckpts", endpoint)
+        s3_server.make_bucket("ckpts", endpoint)
         yield c, endpoint
 
 
@@ -139,12 +140,12 @@ def test_node_that_sees_another_store_is_refused(cluster, tmp_path):
     c, _ = cluster
     normal = [n for n in c.list_all_nodes() if n is not c.head_node]
     with s3.moto_process() as other:
-        s3.make_bucket("ckpts", other)
+        s3_server.make_bucket("ckpts", other)
         conf = tmp_path / "fsspec"
         conf.mkdir()
         (conf / "s3.json").write_text(json.dumps({"s3": {"endpoint_url": other}}))
         c.remove_node(normal[-1])
-        with s3.env(FSSPEC_CONFIG_DIR=str(conf)):
+        with s3_server.env(FSSPEC_CONFIG_DIR=str(conf)):
             odd = add_node(c, 4)
         c.wait_for_nodes()
         try:

@@ -1,6 +1,8 @@
-"""Training data: the sample streams every rank reads (`streams.py`: synthetic, text and token
-files, and their held-out streams) and what can be known of a data source without reading it
-or importing torch (`sources.py`: the text files a path names, token counts, the held-out cut).
+"""Training data: the sample streams every rank reads (`samples.py`: their base; `streams.py`:
+synthetic, text and token files, their held-out streams, and `build_stream` for every kind;
+`seeds.py`: the seed that keeps held-out data apart) and what can be known of a data source
+without reading it or importing torch (`sources.py`: the text files a path names, token counts,
+the held-out cut).
 
 Prepared datasets (`python -m rayhybrid.prepare`): their format and `open_prepared`
 (`prepared.py`), which window each sample is (`packing.py`), the checks before a run

@@ -29,14 +29,12 @@ from functools import cached_property
 import fsspec
 import numpy as np
 
+from rayhybrid.data.seeds import HELD_OUT
 from rayhybrid.errors import ConfigError
 
 INDEX = "index.json"
 FORMAT = "rayhybrid.prepared"
 VERSION = 1
-HELD_OUT_SEED = 0x4E1D
-"""Seeds the choice of held-out documents (with the number of documents): the same choice for
-every reader of one index."""
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -56,7 +54,7 @@ def held_out_documents(num_documents: int, fraction: float) -> np.ndarray:
     k = round(num_documents * fraction)
     if fraction <= 0 or k == 0:
         return np.zeros(0, dtype=np.int64)
-    rng = np.random.default_rng([HELD_OUT_SEED, num_documents])
+    rng = np.random.default_rng([HELD_OUT, num_documents])
     return np.sort(rng.permutation(num_documents)[:k]).astype(np.int64)
 
 

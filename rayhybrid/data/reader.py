@@ -29,7 +29,8 @@ import torch
 from rayhybrid.config.schema import DataConfig
 from rayhybrid.data.packing import ORDER, Mixture, Part, mixture_entries, training_documents
 from rayhybrid.data.prepared import INDEX, PreparedDataset, open_prepared
-from rayhybrid.data.streams import HELD_OUT, SampleStream
+from rayhybrid.data.samples import SampleStream
+from rayhybrid.data.seeds import HELD_OUT
 
 CACHE_CHUNK = 1 << 20
 """Bytes per cached chunk of a shard (data.cache_dir)."""
@@ -56,7 +57,7 @@ class PreparedStream(SampleStream):
 
     @classmethod
     def held_out(cls, cfg: DataConfig, seed: int) -> PreparedStream:
-        """Evaluation's stream (seeded apart with streams.HELD_OUT): data.val_path's documents,
+        """Evaluation's stream (seeded apart with seeds.HELD_OUT): data.val_path's documents,
         else every dataset's held-out ones, mixed with the same weights."""
         if cfg.val_path:
             part = Part(open_prepared(cfg.val_path), None, cfg.seq_len)

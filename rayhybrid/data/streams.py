@@ -3,6 +3,10 @@
 Sample `i` is a function of (data config, seed, i) alone, so step k reads global samples
 ``[k*G, (k+1)*G)`` and dp rank r reads its contiguous share, whatever dp is. Resume, restart
 and resize need only `consumed_samples`.
+
+Here: the streams of generated, text and token data, and `build_stream` / `build_held_out`,
+which pick each kind's stream (prepared data's is `reader.PreparedStream`). Their base class is
+`samples.SampleStream`, which the prepared reader builds on too.
 """
 
 from __future__ import annotations
@@ -14,50 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from rayhybrid.config.schema import DataConfig
-from rayhybrid.data.sources import KINDS, split_point, text_files
-
-HELD_OUT = 0x4E1D
-"""Mixed into the seed of every held-out sample (`held_out`): a stream independent of training's."""
+from rayhybrid.data.reader import PreparedStream
+from rayhybrid.data.samples import SampleStream
+from rayhybrid.data.seeds import HELD_OUT
+from rayhybrid.data.sources import KINDS, DataKind, split_point, text_files
 
 
 def _rng(seed: int, index: int, key: tuple[int, ...] = ()) -> np.random.Generator:
     return np.random.default_rng([seed, *key, index])
-
-
-class SampleStream:
-    """Base class: `batch(start, count)` returns (inputs, targets), each [count, seq_len] int64."""
-
-    seq_len: int
-    loss_floor: float | None = None
-    """The best achievable mean cross-entropy (nats/token) when known, else None."""
-
-    def sample(self, index: int) -> np.ndarray:  # seq_len + 1 token ids
-        raise NotImplementedError
-
-    def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.stack([self.sample(start + i) for i in range(count)]).astype(np.int64)
-        data = torch.from_numpy(rows)
-        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
-
-    def prefetch(self, start: int, count: int) -> None:
-        """Start reading samples [start, start + count) ahead of `batch` (streams that read a
-        store do; generated and memory-mapped data need not)."""
-
-    def provenance(self, index: int) -> tuple[str, int, int | None]:
-        """(dataset, epoch, first token) of sample `index`, for data.trace: None where the
-        sample is not a window of stored tokens (generated data)."""
-        return getattr(self, "source", "synthetic"), 0, None
-
-    def close(self) -> None:
-        """Stop reading ahead (a background reader's thread)."""
-
-    def identity(self) -> dict:
-        """What fixes this stream's samples besides the seed and seq_len, as JSON (kept in
-        checkpoints): the kind of data, and for data read from a store what identifies it."""
-        return {"kind": type(self).__name__}
 
 
 class MarkovStream(SampleStream):
@@ -141,11 +111,9 @@ class WindowStream(SampleStream):
 def build_stream(cfg: DataConfig, vocab_size: int, seed: int) -> SampleStream:
     """The training stream. With data.val_fraction, text and token data train on the head of
     data.path's tokens only (the tail is `build_held_out`'s)."""
-    if not kind_of(cfg).reads_path:
+    if not data_kind(cfg).reads_path:
         return MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
     if cfg.name == "prepared":
-        from rayhybrid.data.reader import PreparedStream
-
         return PreparedStream.open(cfg, seed)
     tokens = _tokens(cfg, cfg.path, "data.path")
     if cfg.val_path or cfg.val_fraction <= 0:
@@ -159,12 +127,10 @@ def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStr
     """The held-out stream evaluation reads: synthetic data's independent stream of the same
     chain (`train`'s, when given: no second chain to build), data.val_path's tokens, or the tail
     data.val_fraction of data.path's."""
-    if not kind_of(cfg).reads_path:
+    if not data_kind(cfg).reads_path:
         chain = train if isinstance(train, MarkovStream) else MarkovStream(vocab_size, cfg.seq_len, cfg.branching, seed)
         return chain.held_out()
     if cfg.name == "prepared":
-        from rayhybrid.data.reader import PreparedStream
-
         return PreparedStream.held_out(cfg, seed)
     if cfg.val_path:
         tokens = _tokens(cfg, cfg.val_path, "data.val_path")
@@ -181,11 +147,11 @@ def build_held_out(cfg: DataConfig, vocab_size: int, seed: int, train: SampleStr
 def _tokens(cfg: DataConfig, path: str, setting: str) -> np.ndarray:
     """`path` (data.path or data.val_path, named by `setting`) as one token array: text as
     bytes, tokens as ids."""
-    kind_of(cfg)
+    data_kind(cfg)
     return READERS[cfg.name](cfg, path, setting)
 
 
-def kind_of(cfg: DataConfig):
+def data_kind(cfg: DataConfig) -> DataKind:
     """data.name's entry of `KINDS`; ValueError for a name that has none."""
     if cfg.name not in KINDS:
         raise ValueError(f"data.name={cfg.name!r} is unknown; use {', '.join(KINDS)}")

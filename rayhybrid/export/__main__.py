@@ -1,5 +1,5 @@
-"""`python -m rayhybrid.export --checkpoint <dir> --out <dir>`: see `rayhybrid.export`."""
+"""`python -m rayhybrid.export --checkpoint <dir> --out <dir>`: see `rayhybrid.export.cli`."""
 
-from rayhybrid.export import main
+from rayhybrid.export.cli import main
 
 main()

@@ -73,7 +73,7 @@ class ParamTensor:
 
 
 class MemoryModel(Protocol):
-    """The model-specific part of the planner's memory estimate (rayhybrid/plan/memory.py owns
+    """The model-specific part of the planner's memory estimate (rayhybrid/plan/peak_memory.py owns
     the rest: optimizer state, pipeline buffers, FSDP2 and the schedules). Byte counts are the
     bytes of live tensor storages, as the trainer's meter counts them (`metrics.memory=true`).
     `cfg` is the whole `Config`; `tp` and `dtype` override the topology's and the train's."""

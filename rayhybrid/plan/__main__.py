@@ -25,14 +25,14 @@ def main(argv: list[str] | None = None) -> None:
     as_json = "--json" in argv
     overrides = [a for a in argv if a != "--json"]
     with exit_codes("rayhybrid.plan"):
-        from rayhybrid.plan.placement import cluster_address
-        from rayhybrid.plan.report import build_plan, format_text
+        from rayhybrid.plan.dry_run import build_plan, format_text
+        from rayhybrid.plan.trial_placement import cluster_address
         from rayhybrid.preflight import load_config
 
         cfg = load_config(overrides)
         placement = None
         if cluster_address(cfg):
-            from rayhybrid.plan.placement import place
+            from rayhybrid.plan.trial_placement import place
 
             placement = place(cfg)
         plan = build_plan(cfg, placement)

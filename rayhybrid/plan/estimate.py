@@ -1,7 +1,7 @@
 """What a training step costs, per rank, without building anything: parameters, memory,
-communication, pipeline bubble, FLOPs. The formulas common to every model live here and in
-rayhybrid/plan/memory.py (each rank's peak memory, term by term: `rank_memory`, re-exported
-here); what is particular to a model (its parameter tensors and TP plan, what its blocks save
+communication, pipeline bubble, FLOPs. The formulas common to every model live here; each
+rank's peak memory, term by term (`rank_memory`), is rayhybrid/plan/peak_memory.py's, which builds
+on them; what is particular to a model (its parameter tensors and TP plan, what its blocks save
 for backward, its parameter and FLOP counts) comes from its spec's `MemoryModel`
 (rayhybrid/models/spec.py; the GPT's in rayhybrid/models/gpt/memory.py, Llama's in
 rayhybrid/models/llama3/memory.py).
@@ -318,13 +318,3 @@ def pp_communication(cfg: Config, pp_rank: int, all_stages: list[Stage]) -> dict
         "payload_bytes": send,
         "wire_bytes": send,
     }
-
-
-def __getattr__(name: str):
-    # Each rank's peak memory lives in rayhybrid/plan/memory.py, which builds on this module;
-    # imported lazily (it imports this one), so that both import orders work.
-    if name in ("rank_memory", "RankMemory"):
-        from rayhybrid.plan import memory
-
-        return getattr(memory, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

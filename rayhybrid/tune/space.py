@@ -72,10 +72,11 @@ def planned_peak_mb(cfg: Config, cuda: bool = False) -> float | None:
     """The planner's peak memory of the busiest rank in MB (`python -m rayhybrid.plan`'s
     `memory.max_mb`); None when the model has no memory model (ModelSpec.memory is None)."""
     from rayhybrid.plan import estimate as est
+    from rayhybrid.plan.peak_memory import rank_memory
 
     if not est.has_memory_model(cfg):
         return None
-    return max(est.rank_memory(cfg, r, cuda=cuda).total for r in range(cfg.topology.pp)) / MB
+    return max(rank_memory(cfg, r, cuda=cuda).total for r in range(cfg.topology.pp)) / MB
 
 
 def batch_sizes(cfg: Config, per_replica: int, point: dict | None = None) -> list[int]:

@@ -123,7 +123,7 @@ class LlamaMemory:
         bfloat16 gradient waits for the autocast copy's cast back to float32 (below), d h x 2
         bytes.
 
-        Not modelled (rayhybrid/plan/memory.py's walk, the same for every model): in a step's
+        Not modelled (rayhybrid/plan/peak_memory.py's walk, the same for every model): in a step's
         second and later micro-batches, torch accumulates the gradients of autocast's cached
         bfloat16 weight copies only at the end of the backward (their cast's backward node was
         made by the first micro-batch's forward and runs last), so up to one bfloat16 copy of

@@ -6,13 +6,14 @@ from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout, Topology
 from rayhybrid.models.registry import BUILTIN
 from rayhybrid.plan import estimate as est
+from rayhybrid.plan.peak_memory import rank_memory
 
 MB = est.MB
 
 
 def build_plan(cfg: Config, placement: dict | None = None) -> dict:
     """The plan of `cfg` as one JSON-able dict (`python -m rayhybrid.plan --json`); `placement`:
-    where a cluster put the ranks (rayhybrid/plan/placement.py), or None."""
+    where a cluster put the ranks (rayhybrid/plan/trial_placement.py), or None."""
     t, model = cfg.topology, cfg.model
     topo = Topology(t.dp, t.pp, t.tp)
     all_stages = est.stages(cfg)
@@ -67,7 +68,7 @@ def _parameters(cfg: Config, all_stages: list[est.Stage], owned: dict[int, list[
 
 def _memory(cfg: Config, topo: Topology, cuda: bool) -> dict:
     """The plan's "memory": each pipeline rank's peak (`rank_memory`), each rank's total."""
-    memory = {r: est.rank_memory(cfg, r, cuda=cuda) for r in range(topo.pp)}
+    memory = {r: rank_memory(cfg, r, cuda=cuda) for r in range(topo.pp)}
     return {
         "device": "cuda" if cuda else "cpu",
         "per_pp_rank": [memory[r].as_dict() for r in range(topo.pp)],

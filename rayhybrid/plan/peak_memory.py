@@ -6,8 +6,8 @@ batch (`batch_memory`), the pipeline's receive buffers (`receive_buffers`), what
 each action of the schedule (`ScheduleWalk`) and the optimizer step
 (`optimizer_step_memory`); `rank_memory` adds them up and keeps the peak.
 
-Bytes are counted the way the trainer's meter counts them (see rayhybrid/plan/estimate.py, which
-also re-exports `rank_memory` and `RankMemory`). No torch, no Ray.
+Bytes are counted the way the trainer's meter counts them (see rayhybrid/plan/estimate.py, whose
+formulas this module builds on). No torch, no Ray.
 """
 
 from __future__ import annotations

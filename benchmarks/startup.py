@@ -1,0 +1,69 @@
+"""Start-up: from the command to the first completed step, rayhybrid against Ray Train's
+`TorchTrainer`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import common
+from figures import fmt, header, table
+
+
+def run(tmp: Path, quick: bool) -> dict:
+    """Seconds from the command to the first completed step, 1 and 8 ranks, against Ray Train's
+    TorchTrainer with as many workers training the same model (DDP)."""
+    rows = []
+    tiny = ["train.global_batch_size=8", "train.micro_batch_size=1", "train.steps=2", *common.QUIET]
+    for ranks, topo in ((1, []), (8, ["topology.dp=8"])):
+        _, _, first = common.train([*tiny, *topo], tmp / f"startup-{ranks}")
+        theirs = common.baseline("raytrain_train.py", [*tiny, *topo, "--steps", "2", "--num-workers", str(ranks)])
+        rows.append(
+            {
+                "ranks": ranks,
+                "rayhybrid_s": first,
+                "raytrain_s": theirs["first_step_wall"] - theirs["launched_wall"],
+                "raytrain_startup": {"ray_init_s": theirs["ray_init_s"], **theirs["startup"]},
+            }
+        )
+    return {"rows": rows}
+
+
+def section(r: dict) -> str:
+    """Its section of BENCHMARKS.md."""
+    out = (
+        "## 3. Start-up: command to first completed step\n\nrayhybrid's command line against Ray Train's "
+        "`TorchTrainer` (`benchmarks/baselines/raytrain_train.py`: DDP, the same model, data and optimizer) "
+        "with as many workers; each starts a fresh local Ray. Tiny default model, 2 steps.\n\n"
+    )
+    out += header(r)
+    if "rows" in r:
+        out += table(
+            ["ranks", "rayhybrid (s)", "Ray Train (s)", "Ray Train / rayhybrid", "Ray Train's start-up (s)"],
+            [
+                [
+                    str(x["ranks"]),
+                    fmt(x["rayhybrid_s"], 1),
+                    fmt(x["raytrain_s"], 1),
+                    fmt(x["raytrain_s"] / x["rayhybrid_s"]) + "x",
+                    ", ".join(
+                        f"{k[:-2].replace('_', ' ')} {fmt(v, 1)}"
+                        for k, v in (x.get("raytrain_startup") or {}).items()
+                        if v is not None
+                    ),
+                ]
+                for x in r["rows"]
+            ],
+        )
+        out += (
+            "In Ray Train's columns *start group* (the controller starting the worker group) includes *last proc "
+            "started* (its processes spawned) and the torch process group's set-up; *build model* is the workers "
+            "importing torch and building the model, all at once on the same cores.\n\n"
+        )
+    return out
+
+
+def summary(r: dict) -> str:
+    """Its line of the printed table (after its name): the figures that matter."""
+    return "  ".join(
+        f"{x['ranks']} ranks: rayhybrid {x['rayhybrid_s']:.1f}s, Ray Train {x['raytrain_s']:.1f}s" for x in r["rows"]
+    )

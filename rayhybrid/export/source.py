@@ -1,0 +1,66 @@
+"""Which checkpoint an export reads and which model it holds: `find_checkpoint` (a committed
+step directory, or a checkpoint.dir's latest) and `model_of` (the model config, its Hugging Face
+adapter and sequence length, from the checkpoint's meta.json). Every way they can be wrong is a
+`ConfigError` on --checkpoint that says why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rayhybrid.errors import ConfigError
+from rayhybrid.storage.store import one_line, redact_url
+
+
+def find_checkpoint(url: str, options: dict):
+    """The committed checkpoint at `url` (a step directory), or the latest one under it (a
+    checkpoint.dir); ConfigError saying why there is none."""
+    from rayhybrid.storage import checkpoints as checkpoint_store
+    from rayhybrid.storage.store import Store
+
+    shown = redact_url(url)
+    try:
+        store = Store.open(url, options)
+    except ValueError as err:
+        raise ConfigError("--checkpoint", f"{shown}: {err}") from None
+    try:
+        exists = store.fs.exists(store.root)
+        is_step = checkpoint_store.step_of(store.root) is not None or store.fs.exists(
+            f"{store.root}/{checkpoint_store.META}"
+        )
+    except Exception as err:  # noqa: BLE001 - any client error: the store cannot be read
+        raise ConfigError("--checkpoint", f"cannot read {shown} ({one_line(err)})") from None
+    if not exists:
+        raise ConfigError("--checkpoint", f"{shown} does not exist")
+    if is_step:
+        try:
+            return store, checkpoint_store.check(store, store.root)
+        except ValueError as err:
+            raise ConfigError("--checkpoint", f"{shown} is not a usable checkpoint: {err}") from None
+    ckpt = checkpoint_store.latest(store)
+    if ckpt is None:
+        raise ConfigError(
+            "--checkpoint", f"{shown} holds no committed checkpoint (give a step_<N> directory or a checkpoint.dir)"
+        )
+    return store, ckpt
+
+
+def model_of(meta: dict, path: str):
+    """(ModelConfig, its adapter, seq_len) from a checkpoint's meta.json."""
+    from rayhybrid.config.schema import ModelConfig
+    from rayhybrid.models.registry import get_spec
+
+    recorded = meta.get("model")
+    if not isinstance(recorded, dict):
+        raise ConfigError(
+            "--checkpoint",
+            f"{redact_url(path)}'s meta.json records no model (written by an older rayhybrid); "
+            "save a checkpoint with this version first",
+        )
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in recorded.items() if k in known})
+    spec = get_spec(model)
+    if spec.hf is None:
+        chosen = f"model.module={model.module}" if model.module else f"model.name={model.name}"
+        raise ConfigError("--checkpoint", f"{chosen} has no Hugging Face adapter (SPEC.hf); it cannot be exported")
+    seq_len = int(meta.get("seq_len") or model.max_positions or 0)
+    return model, spec.hf, seq_len
