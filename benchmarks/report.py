@@ -197,7 +197,7 @@ def _batch_search(r: dict) -> str:
     out = (
         "## 5. Batch-size search\n\nThe largest micro-batch that fits a per-rank budget (pp2, tiny default "
         "model, 2 micro-batches, CPU tensor accounting), each trial a real 3-step run on workers kept across "
-        "trials. rayhybrid's search (`rayhybrid/tune/search.py`: probes where the planner puts the answer and half "
+        "trials. rayhybrid's search (`rayhybrid/tune/memory_search.py`: probes where the planner puts the answer and half "
         "of it, fit memory per micro-batch, predict, verify, one step to the edge) "
         'against Lightning\'s `BatchSizeFinder(mode="binsearch")` rule (double from 2 until a size fails, then '
         "bisect) on the same trial runner.\n\n"

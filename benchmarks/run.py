@@ -264,9 +264,9 @@ def batch_search(tmp: Path, quick: bool) -> dict:
     from rayhybrid.cluster.connect import connect, resolve_shape
     from rayhybrid.preflight import load_config
     from rayhybrid.tune import space
-    from rayhybrid.tune.plan import peaks_from_result
+    from rayhybrid.tune.memory_search import MicroBatchSearch
     from rayhybrid.tune.run import TrialHost, base_point
-    from rayhybrid.tune.search import MicroBatchSearch
+    from rayhybrid.tune.trials import peaks_from_result
 
     budgets = (12.0,) if quick else (12.0, 40.0)
     rows = []
