@@ -13,9 +13,13 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError
 from rayhybrid.preflight import exit_codes, fail
+
+if TYPE_CHECKING:
+    from rayhybrid.config.schema import Config
 
 log = logging.getLogger("rayhybrid")
 # Hydra flags that change which config is composed (or take a separate value): the checks
@@ -30,7 +34,7 @@ HYDRA_FLAGS_WITH_CONFIG = (
     "--experimental-rerun",
 )
 HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc")
-CHECKED: list = []
+CHECKED: list[Config] = []
 """The configs `main` checked before Hydra started (one per job of a sweep), without their run
 directory: a job whose config is one of them is not checked again (the environment's checks
 run once per command)."""
