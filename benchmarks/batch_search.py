@@ -21,9 +21,9 @@ def run(tmp: Path, quick: bool) -> dict:
     from rayhybrid.cluster.connect import connect, resolve_shape
     from rayhybrid.preflight import load_config
     from rayhybrid.tune import space
-    from rayhybrid.tune.plan import peaks_from_result
+    from rayhybrid.tune.trials import peaks_from_result
     from rayhybrid.tune.run import TrialHost, base_point
-    from rayhybrid.tune.search import MicroBatchSearch
+    from rayhybrid.tune.memory_search import MicroBatchSearch
 
     budgets = (12.0,) if quick else (12.0, 40.0)
     rows = []
@@ -97,7 +97,7 @@ def section(r: dict) -> str:
     out = (
         "## 5. Batch-size search\n\nThe largest micro-batch that fits a per-rank budget (pp2, tiny default "
         "model, 2 micro-batches, CPU tensor accounting), each trial a real 3-step run on workers kept across "
-        "trials. rayhybrid's search (`rayhybrid/tune/search.py`: probes where the planner puts the answer and half "
+        "trials. rayhybrid's search (`rayhybrid/tune/memory_search.py`: probes where the planner puts the answer and half "
         "of it, fit memory per micro-batch, predict, verify, one step to the edge) "
         'against Lightning\'s `BatchSizeFinder(mode="binsearch")` rule (double from 2 until a size fails, then '
         "bisect) on the same trial runner.\n\n"

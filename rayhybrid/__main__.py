@@ -1,4 +1,7 @@
-"""`python -m rayhybrid [overrides...]`: compose the config with Hydra, validate, train.
+"""`python -m rayhybrid [overrides...]`: compose the config with Hydra, check it, train.
+
+Every check runs once per job (`rayhybrid.preflight.check`), before Hydra makes a run directory
+or Ray starts; a sweep's jobs are all checked before the first one trains.
 
 Exit codes: 0 done, 1 the run failed, 2 bad configuration (one line on stderr), 130 interrupted
 (Ctrl-C, or SIGTERM, which first saves a checkpoint after the step in progress).
@@ -10,9 +13,13 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError
 from rayhybrid.preflight import exit_codes, fail
+
+if TYPE_CHECKING:
+    from rayhybrid.config.schema import Config
 
 log = logging.getLogger("rayhybrid")
 # Hydra flags that change which config is composed (or take a separate value): the checks
@@ -27,20 +34,26 @@ HYDRA_FLAGS_WITH_CONFIG = (
     "--experimental-rerun",
 )
 HYDRA_FLAGS_WITHOUT_RUN = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc")
+CHECKED: list[Config] = []
+"""The configs `main` checked before Hydra started (one per job of a sweep), without their run
+directory: a job whose config is one of them is not checked again (the environment's checks
+run once per command)."""
 
 
 def task(node) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from rayhybrid.driver.controller import Controller
-    from rayhybrid.preflight import scrub_run_files, to_run_config, validate
+    from rayhybrid.preflight import check, scrub_run_files, to_run_config
 
     with exit_codes("rayhybrid"):
         hydra = HydraConfig.get()
-        cfg = dataclasses.replace(to_run_config(node, list(hydra.overrides.task)), run_dir=hydra.runtime.output_dir)
+        composed = to_run_config(node, list(hydra.overrides.task))
+        cfg = dataclasses.replace(composed, run_dir=hydra.runtime.output_dir)
         if hydra.output_subdir:
             scrub_run_files(Path(cfg.run_dir) / hydra.output_subdir, cfg)
-        validate(cfg)
+        if composed not in CHECKED:  # a config main could not check first (Hydra's own flags or sweeper)
+            check(cfg)
         summary = Controller(cfg).run()
     if summary["status"] == "interrupted":  # SIGTERM: stopped after a final checkpoint
         sys.exit(130)
@@ -76,14 +89,14 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
 
 
 def check_sweep(overrides: list[str]) -> None:
-    """Validate every job of a sweep before the first one starts: a bad value in the last job
+    """Check every job of a sweep before the first one starts: a bad value in the last job
     fails now, in one line, not after the others have trained."""
     from rayhybrid.preflight import load_config
 
     jobs = sweep_jobs(overrides)
     for num, job in enumerate(jobs or ()):
         try:
-            load_config(job)
+            CHECKED.append(load_config(job))
         except ConfigError as err:
             shown = " ".join(o for o in job if not o.lstrip("+~").startswith("hydra"))
             where = f" (sweep job #{num}: {shown})" if len(jobs) > 1 else ""
@@ -97,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     from rayhybrid.preflight import load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    CHECKED.clear()
     multirun = any(a in ("-m", "--multirun") for a in argv)
     flags = {a.split("=")[0] for a in argv if a.startswith("-")}
     if not flags & {*HYDRA_FLAGS_WITHOUT_RUN, *HYDRA_FLAGS_WITH_CONFIG}:
@@ -107,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                 register_schema()
                 check_sweep(normalize_overrides(overrides))
             else:
-                load_config(overrides)
+                CHECKED.append(load_config(overrides))
         except ConfigError as err:
             fail(err, CONFIG_EXIT_CODE)
     register_schema()

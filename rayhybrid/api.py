@@ -17,7 +17,7 @@ from rayhybrid.preflight import ensure_logging, load_run, scrub_run_files
 
 def train(overrides: Sequence[str] = (), *, run_dir: str | Path | None = None) -> dict:
     """Compose the config from `overrides` (e.g. ``["+topology=dp2", "train.steps=20"]``),
-    validate it, train, and return the summary. Raises `rayhybrid.errors.ConfigError` for bad
+    check it (once: `rayhybrid.preflight.check`), train, and return the summary. Raises `rayhybrid.errors.ConfigError` for bad
     input. `run_dir` defaults to `hydra.run.dir` (outputs/<date>/<time>), made unique."""
     from omegaconf import OmegaConf
 

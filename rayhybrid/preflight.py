@@ -4,10 +4,17 @@
     cfg = load_config(["+topology=dp2_pp2_tp2"])       # composed, shaped, checked
     cfg = load_run(overrides, run_dir=None)            # the same, with its run directory
 
-`validate` is where the checks meet: the config's own (`rayhybrid.config.validate`), then each
-concern's, which live with the concern: the model's spec, `fault.inject`, `checkpoint.dir`'s
-store, the experiment trackers and the data files. This module sits above all of them, so the
-configuration layer imports none. It never imports torch or Ray.
+The checks come in two kinds, and this is where they meet:
+- `check_config`: the config's own (`rayhybrid.config.validate.check`), then each concern's
+  checks of its settings, which live with the concern: the model's spec, `fault.inject`, the
+  experiment trackers' settings, the data settings. Pure (no file, no network, no environment
+  variable) and cheap: the tuner runs it for every candidate of a search.
+- `check_environment`: what the settings name must be there: `cluster.code`'s directory,
+  `checkpoint.dir`'s storage package, the trackers' packages and credentials, the data files
+  and prepared datasets (their index.json) and `model.init_from`'s tokenizer. Once per command,
+  never per search candidate.
+`check` runs both, in that order. This module sits above all of them, so the configuration
+layer imports none. It never imports torch or Ray.
 
 Used by `python -m rayhybrid`, `rayhybrid.train()`, `python -m rayhybrid.plan`,
 `python -m rayhybrid.tune` and `python -m rayhybrid.export`.
@@ -22,26 +29,49 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from rayhybrid import tracking
 from rayhybrid.config import validate as config_checks
 from rayhybrid.config.compose import compose, task_overrides, to_config
 from rayhybrid.config.schema import Config
-from rayhybrid.data.sources import validate_data
+from rayhybrid.data.sources import check_data_files, check_data_settings
 from rayhybrid.errors import CONFIG_EXIT_CODE, ConfigError, RayHybridError
 from rayhybrid.faults import validate_faults
 from rayhybrid.models.hf import resolve_init_from
 from rayhybrid.models.registry import validate_model
 from rayhybrid.storage.store import scrub, secret_values, validate_url
-from rayhybrid.tracking import validate as validate_tracking
 
 
-def validate(cfg: Config) -> None:
-    """Every static check, each raising a one-line `ConfigError` naming the setting and the fix."""
-    config_checks.validate(cfg)
+def check_config(cfg: Config) -> None:
+    """The config's own checks and each concern's checks of its settings, each raising a
+    one-line `ConfigError` naming the setting and the fix. Reads no file and no environment."""
+    config_checks.check(cfg)
     validate_model(cfg)
     validate_faults(cfg)
+    tracking.check_settings(cfg)
+    check_data_settings(cfg)
+
+
+def check_environment(cfg: Config) -> None:
+    """What the settings of a config that passed `check_config` name is there, here on the
+    driver: one-line `ConfigError`s as well. Once per command (it reads files and index.json
+    over the network)."""
+    from rayhybrid.cluster.code import check_code_setting
+
+    check_code_setting(cfg)
     validate_url("checkpoint.dir", cfg.checkpoint.dir)
-    validate_tracking(cfg)
-    validate_data(cfg)
+    tracking.check_environment(cfg)
+    check_data_files(cfg)
+
+
+def check(cfg: Config) -> None:
+    """Every check before a run: `check_config`, then `check_environment`."""
+    check_config(cfg)
+    check_environment(cfg)
+
+
+validate = check
+"""The name `check` had before the checks were split; callers outside the entry points (tests)
+still use it."""
 
 
 def to_run_config(node, overrides: Sequence[str] | None = None) -> Config:
@@ -54,21 +84,22 @@ def to_run_config(node, overrides: Sequence[str] | None = None) -> Config:
 
 
 def load_config(overrides: Sequence[str] = ()) -> Config:
-    """Compose, shape and validate (static checks only; cluster capacity is checked on connect)."""
+    """Compose, shape and `check` (cluster capacity is checked on connect)."""
     cfg = to_run_config(compose(overrides), overrides)
-    validate(cfg)
+    check(cfg)
     return cfg
 
 
 def load_run(overrides: Sequence[str] = (), run_dir: str | Path | None = None, *, check: bool = True) -> Config:
     """`load_config` with the run directory set: `run_dir`, else `hydra.run.dir`
-    (outputs/<date>/<time>) made unique. `check=False` leaves validation to the caller (the
-    tuner validates each trial's config instead)."""
+    (outputs/<date>/<time>) made unique. `check=False` leaves the checks to the caller (the
+    tuner checks its trials' configs instead)."""
     node = compose(overrides, return_hydra_config=True)
     run_dir = Path(run_dir) if run_dir is not None else make_run_dir(Path(str(node.hydra.run.dir)))
     cfg = dataclasses.replace(to_run_config(node, list(overrides)), run_dir=str(run_dir))
-    if check:
-        validate(cfg)
+    if check:  # the parameter hides `check`: its two parts
+        check_config(cfg)
+        check_environment(cfg)
     return cfg
 
 

@@ -287,7 +287,7 @@ def test_the_checks_refuse_what_cannot_train(tmp_path):
 
 
 def test_a_tokenizer_other_than_the_checkpoints_is_refused(tmp_path):
-    from rayhybrid.data.checks import validate_prepared
+    from rayhybrid.data.checks import check_prepared_datasets
     from tests.tokenizer import make_tokenizer
 
     ckpt = make_tokenizer(tmp_path / "hf")  # a checkpoint directory that ships its tokenizer
@@ -300,9 +300,9 @@ def test_a_tokenizer_other_than_the_checkpoints_is_refused(tmp_path):
         cfg = load_config([*base, f"data.path={url}"])
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=str(ckpt)))
 
-    validate_prepared(with_init_from(write_dataset(tmp_path / "same", docs, tokenizer_sha=sha)))  # accepted
+    check_prepared_datasets(with_init_from(write_dataset(tmp_path / "same", docs, tokenizer_sha=sha)))  # accepted
     with pytest.raises(ConfigError) as err:
-        validate_prepared(with_init_from(write_dataset(tmp_path / "other", docs, tokenizer_sha="another")))
+        check_prepared_datasets(with_init_from(write_dataset(tmp_path / "other", docs, tokenizer_sha="another")))
     assert err.value.setting == "data.path" and f"tokenizer={ckpt}" in err.value.message
 
 

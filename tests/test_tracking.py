@@ -28,7 +28,14 @@ from rayhybrid.config.schema import (
 from rayhybrid.errors import ConfigError
 from rayhybrid.storage import checkpoints as cs
 from rayhybrid.storage.store import Store
-from rayhybrid.tracking import TRACKING_FILE, Trackers, mlflow_tracking_uri, step_scalars, validate
+from rayhybrid.tracking import (
+    TRACKING_FILE,
+    Trackers,
+    check_environment,
+    check_settings,
+    mlflow_tracking_uri,
+    step_scalars,
+)
 
 SECRETS = ("AKIAXX", "SECRETXX", "SUPERSECRET1", "KEYVALUE22")
 
@@ -596,25 +603,59 @@ def no_wandb_credentials(monkeypatch, tmp_path) -> None:
         ),
     ],
 )
-def test_validate_says_which_setting_and_the_fix(tmp_path, monkeypatch, change, hide, message):
+def test_the_checks_say_which_setting_and_the_fix(tmp_path, monkeypatch, change, hide, message):
+    """A setting alone is refused by `check_settings`, which looks at nothing else; a package
+    or a credential missing here by `check_environment`; and the entry points' checks
+    (`rayhybrid.preflight.check`) refuse both before any tracker starts."""
+    from rayhybrid.preflight import check
+
     no_wandb_credentials(monkeypatch, tmp_path)
     if hide:
         monkeypatch.setitem(sys.modules, hide, None)
     cfg = with_metrics(config(tmp_path), **change)
-    with pytest.raises(ConfigError) as err:
-        validate(cfg)
+    environment = bool(hide) or "online needs" in message
+    if environment:
+        check_settings(cfg)  # the settings are fine: what is missing is here, on the driver
+        with pytest.raises(ConfigError) as err:
+            check_environment(cfg)
+    else:
+        with pytest.raises(ConfigError) as err:
+            check_settings(cfg)
     assert str(err.value) == message
     with pytest.raises(ConfigError) as err:  # the run stops before any tracker starts
-        Trackers.open(cfg, tmp_path / "run", None)
+        check(cfg)
     assert str(err.value) == message and not (tmp_path / "run").exists()
 
 
-def test_validate_accepts_what_works(tmp_path, monkeypatch):
+def test_the_checks_accept_what_works(tmp_path, monkeypatch):
     no_wandb_credentials(monkeypatch, tmp_path)
-    validate(config(tmp_path, wandb={"enabled": True}, mlflow={"enabled": True}))  # offline, a file store
+    for cfg in (
+        config(tmp_path, wandb={"enabled": True}, mlflow={"enabled": True}),  # offline, a file store
+        with_metrics(config(tmp_path), wandb={"mode": "typo"}),  # disabled: not checked
+    ):
+        check_settings(cfg)
+        check_environment(cfg)
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    validate(config(tmp_path, wandb={"enabled": True, "mode": "online"}))
-    validate(with_metrics(config(tmp_path), wandb={"mode": "typo"}))  # disabled: not checked
+    check_settings(config(tmp_path, wandb={"enabled": True, "mode": "online"}))
+    check_environment(config(tmp_path, wandb={"enabled": True, "mode": "online"}))
+
+
+def test_opening_the_trackers_checks_nothing_again(tmp_path, monkeypatch):
+    """The checks run once per command, before the driver opens the trackers (they used to run
+    again in `Trackers.open`)."""
+    from rayhybrid.tracking import WandbTracker
+
+    calls = []
+    for name in ("check_settings", "check_environment"):
+        monkeypatch.setattr(WandbTracker, name, classmethod(lambda cls, cfg, name=name: calls.append(name)))
+
+    def opened(cls, cfg, start):
+        raise RuntimeError("opened")
+
+    monkeypatch.setattr(WandbTracker, "open", classmethod(opened))
+    with pytest.raises(RuntimeError, match="opened"):
+        Trackers.open(config(tmp_path, wandb={"enabled": True}), tmp_path / "run", None)
+    assert calls == []
 
 
 def test_an_mlflow_server_out_of_reach_stops_the_run_at_open(tmp_path):

@@ -12,8 +12,8 @@ import pytest
 from rayhybrid.config.compose import compose, to_config
 from rayhybrid.tune import space
 from rayhybrid.tune.layout import STAGES_PER_RANK, LayoutPlan, factorizations
-from rayhybrid.tune.plan import SLACK, Point, TunePlan
-from rayhybrid.tune.search import PEAK_PREFIX
+from rayhybrid.tune.microbatch import SLACK, TunePlan
+from rayhybrid.tune.trials import PEAK_PREFIX, Point
 
 GLOBAL_BATCH = 16
 BUDGET_MB = 4.5  # dp8 unsharded is planned at about 5.7 MB: the planner prunes part of the space

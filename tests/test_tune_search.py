@@ -9,9 +9,10 @@ import statistics
 
 import pytest
 
-from rayhybrid.tune.plan import TunePlan
-from rayhybrid.tune.search import PEAK_PREFIX, LinearMemoryModel, MicroBatchSearch
-from rayhybrid.tune.searcher import PlanSearcher
+from rayhybrid.tune.memory_search import LinearMemoryModel, MicroBatchSearch
+from rayhybrid.tune.microbatch import TunePlan
+from rayhybrid.tune.ray_searcher import PlanSearcher
+from rayhybrid.tune.trials import PEAK_PREFIX
 
 
 class Oracle:
@@ -179,7 +180,7 @@ def test_candidates_only():
 
 
 def test_linear_model_is_exact_on_two_points_and_predicts_the_bound():
-    from rayhybrid.tune.search import Trial
+    from rayhybrid.tune.memory_search import Trial
 
     trials = [Trial(1, {"a": 150.0, "b": 320.0}, False), Trial(3, {"a": 250.0, "b": 360.0}, False)]
     model = LinearMemoryModel.fit(trials)
@@ -315,7 +316,7 @@ def test_a_fixed_level_that_hides_growth_at_the_probes_is_approached_not_jumped_
     the backward's end with all gradients), so the probes at 1 and 2 see almost no growth and a
     straight extrapolation lands 150x too far. The search measures at most RAMP x the largest
     size so far, refits on the two largest sizes, and ends on the exact answer."""
-    from rayhybrid.tune.search import RAMP
+    from rayhybrid.tune.memory_search import RAMP
 
     def peaks(m):  # the figures seen there, as lines: forward, backward (1 and 2 measured flat)
         return {

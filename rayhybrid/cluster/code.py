@@ -337,3 +337,26 @@ def _current_runtime_env() -> dict:
     import ray
 
     return dict(ray.get_runtime_context().runtime_env or {}) if ray.is_initialized() else {}
+
+
+def check_code_setting(cfg: Config) -> None:
+    """cluster.code: auto, off (the command line's false arrives as False) or a directory that
+    exists here, on the driver; else a one-line ConfigError. An environment check (it looks at
+    the file system): `rayhybrid.preflight.check_environment` runs it once per command."""
+    value = str(cfg.cluster.code)
+    if value.lower() in ("auto", *OFF):
+        return
+    path = os.path.expanduser(value)
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise ConfigError(
+            "cluster.code", f"{value} is a file; give the directory to ship (Ray's working_dir), auto or off"
+        )
+    if not value.strip() or not any(mark in value for mark in (os.sep, "/", ".", "~")):
+        raise ConfigError(
+            "cluster.code",
+            f"unknown value {value!r} (neither auto, off nor an existing directory); "
+            "choose auto, off, or a directory to ship (e.g. cluster.code=.)",
+        )
+    raise ConfigError("cluster.code", f"directory {value} does not exist; give an existing directory, auto or off")

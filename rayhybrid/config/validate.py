@@ -1,12 +1,14 @@
-"""Static validation of a `Config`: every check raises `ConfigError` naming the setting and the fix.
+"""The config's own checks (`check`): the settings agree with each other. Every check raises
+`ConfigError` naming the setting and the fix.
 
-Cluster capacity (more ranks than the cluster can ever place) is checked by the cluster
-package once it can see the cluster.
+Pure: no file, no network, no environment variable is looked at, so it is cheap enough to run
+for every candidate of a layout search. What the settings name in the world (the data files,
+the stores, the trackers' credentials, `cluster.code`'s directory) is checked once per command
+by `rayhybrid.preflight.check_environment`; cluster capacity (more ranks than the cluster can
+ever place) by the cluster package once it can see the cluster.
 """
 
 from __future__ import annotations
-
-import os
 
 from rayhybrid.config.schema import DTYPES, SCHEDULES, Config
 from rayhybrid.config.topology import SCHEDULE_TABLE, Layout
@@ -62,7 +64,9 @@ def _choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(setting, f"unknown value {value!r}; choose one of: {', '.join(choices)}")
 
 
-def validate(cfg: Config) -> None:
+def check(cfg: Config) -> None:
+    """The settings agree with each other (positive counts, known choices, the stages fit the
+    layers, the global batch splits); the first that does not raises ConfigError."""
     t, m, tr = cfg.topology, cfg.model, cfg.train
     _positive(cfg)
     _choice("topology.schedule", t.schedule, SCHEDULES)
@@ -70,7 +74,6 @@ def validate(cfg: Config) -> None:
     _choice("train.dtype", tr.dtype, DTYPES)
     _choice("train.decay", tr.decay, DECAYS)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
-    _code(str(cfg.cluster.code))
 
     virtual = Layout.of(cfg).virtual_stages
     fixed = SCHEDULE_TABLE[t.schedule].stages_per_rank
@@ -98,30 +101,9 @@ def validate(cfg: Config) -> None:
     _held_out(cfg)
 
 
-def _code(value: str) -> None:
-    """cluster.code: auto, off (the command line's false arrives as False) or a directory that
-    exists here, on the driver (rayhybrid/cluster/code.py ships it)."""
-    if value.lower() in ("auto", "off", "false"):
-        return
-    path = os.path.expanduser(value)
-    if os.path.isdir(path):
-        return
-    if os.path.exists(path):
-        raise ConfigError(
-            "cluster.code", f"{value} is a file; give the directory to ship (Ray's working_dir), auto or off"
-        )
-    if not value.strip() or not any(mark in value for mark in (os.sep, "/", ".", "~")):
-        raise ConfigError(
-            "cluster.code",
-            f"unknown value {value!r} (neither auto, off nor an existing directory); "
-            "choose auto, off, or a directory to ship (e.g. cluster.code=.)",
-        )
-    raise ConfigError("cluster.code", f"directory {value} does not exist; give an existing directory, auto or off")
-
-
 def _held_out(cfg: Config) -> None:
     """data.val_fraction is a fraction, and checkpoint.keep_best has a held-out loss at every
-    checkpoint (the data's own held-out checks are `rayhybrid.data.sources.validate_data`'s)."""
+    checkpoint (the data's own held-out checks are `rayhybrid.data.sources.check_data_settings`')."""
     d, ev, ck = cfg.data, cfg.eval, cfg.checkpoint
     if not 0 <= d.val_fraction < 1:
         raise ConfigError("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}; e.g. data.val_fraction=0.01")

@@ -1,9 +1,14 @@
-"""The checks data=prepared must pass before a run starts (`validate_prepared`, from
-`rayhybrid.data.sources.validate_data`): every dataset is committed, its tokenizer fits the
-model and agrees with `model.init_from`'s, the datasets of a mixture share one tokenizer, and
-each stream the run reads holds a window. Each failure is one ConfigError naming the setting.
+"""The checks data=prepared must pass before a run starts, in two parts:
 
-It reads each dataset's index and documents' lengths (small files), never the tokens. No torch.
+- `check_prepared_settings` (from `rayhybrid.data.sources.check_data_settings`): the settings
+  alone, data.path or a data.mix of paths with usable weights, no data.val_fraction. Reads
+  nothing, so a layout search runs it for every candidate.
+- `check_prepared_datasets` (from `rayhybrid.data.sources.check_data_files`, once per command):
+  every dataset is committed, its tokenizer fits the model and agrees with `model.init_from`'s,
+  the datasets of a mixture share one tokenizer, and each stream the run reads holds a window.
+  It reads each dataset's index and documents' lengths (small files), never the tokens.
+
+Each failure is one ConfigError naming the setting. No torch.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from rayhybrid.data.prepared import PreparedDataset, read_index
 from rayhybrid.errors import ConfigError
 
 
-def validate_prepared(cfg: Config) -> None:
+def check_prepared_settings(cfg: Config) -> None:
+    """data.path or data.mix (not both), each entry with a path and a usable weight, and no
+    data.val_fraction (prepared datasets hold documents out when they are prepared)."""
     d = cfg.data
     if d.val_fraction:
         raise ConfigError(
@@ -26,7 +33,28 @@ def validate_prepared(cfg: Config) -> None:
             "prepared datasets hold documents out when they are prepared: rerun python -m rayhybrid.prepare with "
             "val_fraction=0.01, or set data.val_path=<a prepared dataset>, and remove data.val_fraction",
         )
-    datasets = _datasets(cfg)
+    if d.mix and d.path:
+        raise ConfigError("data.mix", "give data.path (one dataset) or data.mix (a mixture), not both")
+    if not d.mix and not d.path:
+        raise ConfigError(
+            "data.path", "data=prepared needs data.path=<prepared dataset URL> or data.mix=[{path:...,weight:...},...]"
+        )
+    entries = mixture_entries(d)
+    total = sum(max(w, 0.0) for _, _, w in entries)
+    for setting, url, weight in entries:
+        if not url:
+            raise ConfigError(setting, "each data.mix entry needs a path: {path:<prepared dataset URL>,weight:<w>}")
+        if not weight > 0 or weight / total < 1 / BLOCK:
+            raise ConfigError(
+                setting.replace(".path", ".weight"),
+                f"weight {weight:g} must be positive and at least 1/{BLOCK} of the total {total:g}; raise it or drop it",
+            )
+
+
+def check_prepared_datasets(cfg: Config) -> None:
+    """The datasets the settings name (after `check_prepared_settings`): each opened once."""
+    d = cfg.data
+    datasets = [(setting, PreparedDataset(read_index(url, setting=setting))) for setting, url, _ in mixture_entries(d)]
     first = datasets[0][1]
     for setting, ds in datasets:
         _tokenizer_fits(cfg, setting, ds)
@@ -39,30 +67,6 @@ def validate_prepared(cfg: Config) -> None:
         train = Part(ds, training_documents(ds), d.seq_len)
         _holds_window(setting, ds.url, train.tokens, d.seq_len, "to train on")
     _held_out(cfg, datasets)
-
-
-def _datasets(cfg: Config) -> list[tuple[str, PreparedDataset]]:
-    """(setting, opened dataset) of data.path or of each data.mix entry."""
-    d = cfg.data
-    if d.mix and d.path:
-        raise ConfigError("data.mix", "give data.path (one dataset) or data.mix (a mixture), not both")
-    if not d.mix and not d.path:
-        raise ConfigError(
-            "data.path", "data=prepared needs data.path=<prepared dataset URL> or data.mix=[{path:...,weight:...},...]"
-        )
-    entries = mixture_entries(d)
-    total = sum(max(w, 0.0) for _, _, w in entries)
-    out = []
-    for setting, url, weight in entries:
-        if not url:
-            raise ConfigError(setting, "each data.mix entry needs a path: {path:<prepared dataset URL>,weight:<w>}")
-        if not weight > 0 or weight / total < 1 / BLOCK:
-            raise ConfigError(
-                setting.replace(".path", ".weight"),
-                f"weight {weight:g} must be positive and at least 1/{BLOCK} of the total {total:g}; raise it or drop it",
-            )
-        out.append((setting, PreparedDataset(read_index(url, setting=setting))))
-    return out
 
 
 def _tokenizer_fits(cfg: Config, setting: str, ds: PreparedDataset) -> None:

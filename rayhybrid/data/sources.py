@@ -1,6 +1,9 @@
 """What can be known of a data source without reading it, and without torch: the files a path
-names, how many tokens they hold, where the held-out tail begins, and the checks a config's
-data settings must pass before a run starts (`validate_data`, called by `rayhybrid.preflight`).
+names, how many tokens they hold, where the held-out tail begins, and the checks of a config's
+data settings before a run starts, in two parts (both called by `rayhybrid.preflight`):
+`check_data_settings`, the settings alone (no file is read: a layout search runs it for every
+candidate), and `check_data_files`, what the settings name (files, prepared datasets: once per
+command).
 
 The streams (`streams.py`) read the same files through the same functions, so a path the
 checks accept is the path the ranks read.
@@ -78,9 +81,9 @@ def token_count(d: DataConfig, path: str) -> int | None:
         return None
 
 
-def validate_data(cfg: Config) -> None:
-    """data.name is known, the data files exist and fit the model, the held-out settings
-    agree, and each stream the run reads holds a window."""
+def check_data_settings(cfg: Config) -> None:
+    """data.name is known, the data fits the model, data.path is given where the kind reads it,
+    and the held-out settings agree. Reads no file."""
     d, m = cfg.data, cfg.model
     if d.name not in KINDS:
         raise ConfigError("data.name", f"unknown value {d.name!r}; choose one of: {', '.join(KINDS)}")
@@ -88,9 +91,9 @@ def validate_data(cfg: Config) -> None:
     if d.mix and d.name != "prepared":
         raise ConfigError("data.mix", f"mixtures are of prepared datasets: set data=prepared, not data={d.name}")
     if d.name == "prepared":
-        from rayhybrid.data.checks import validate_prepared
+        from rayhybrid.data.checks import check_prepared_settings
 
-        return validate_prepared(cfg)
+        return check_prepared_settings(cfg)
     if kind.byte_level and m.vocab_size < 256:
         raise ConfigError(
             "model.vocab_size", f"{d.name} data is byte-level and needs model.vocab_size>=256, got {m.vocab_size}"
@@ -103,17 +106,28 @@ def validate_data(cfg: Config) -> None:
             "python -m rayhybrid.prepare input=... output=... tokenizer=<its tokenizer> and train with "
             "data=prepared data.path=<output> (docs/data.md)",
         )
-    if kind.reads_path:
-        if not d.path:
-            raise ConfigError("data.path", f"data={d.name} needs data.path=<file, directory or glob>")
-        if not kind.byte_level and not os.path.isfile(os.path.expanduser(d.path)):
-            raise ConfigError("data.path", f"token file {d.path!r} does not exist")
-        if kind.byte_level and not text_files(d.path):
-            raise ConfigError(
-                "data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob"
-            )
+    if kind.reads_path and not d.path:
+        raise ConfigError("data.path", f"data={d.name} needs data.path=<file, directory or glob>")
     _held_out(cfg, kind)
-    if kind.reads_path and (d.val_path or d.val_fraction):
+
+
+def check_data_files(cfg: Config) -> None:
+    """What the data settings name is there (after `check_data_settings`): the data files, and
+    each stream the run reads holds a window; for data=prepared, the datasets themselves
+    (`check_prepared_datasets`: their index.json, read once per command)."""
+    d = cfg.data
+    if d.name == "prepared":
+        from rayhybrid.data.checks import check_prepared_datasets
+
+        return check_prepared_datasets(cfg)
+    kind = KINDS[d.name]
+    if not kind.reads_path:
+        return
+    if not kind.byte_level and not os.path.isfile(os.path.expanduser(d.path)):
+        raise ConfigError("data.path", f"token file {d.path!r} does not exist")
+    if kind.byte_level and not text_files(d.path):
+        raise ConfigError("data.path", f"{d.path!r} matches no text file; give a file, a directory of *.txt or a glob")
+    if d.val_path or d.val_fraction:
         _windows(d)
 
 

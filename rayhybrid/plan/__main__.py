@@ -1,7 +1,7 @@
 """`python -m rayhybrid.plan [--json] [overrides...]`: the layout, memory, communication,
 bubble and FLOPs of a training configuration, without training.
 
-Takes the same Hydra overrides as `python -m rayhybrid` and validates them the same way. With
+Takes the same Hydra overrides as `python -m rayhybrid` and checks them the same way. With
 `cluster.address=...` (or RAY_ADDRESS) it also reserves the replicas' placement groups on that
 Ray cluster, reports each rank's node and bundle, and releases them; otherwise Ray is not
 imported. `--json` prints everything as one JSON object instead of text.

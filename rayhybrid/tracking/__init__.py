@@ -2,14 +2,15 @@
 MLflow (`metrics.wandb`, `metrics.mlflow`), its step scalars in TensorBoard event files
 (`metrics.tensorboard`, into <run dir>/tensorboard). The driver logs; the workers never do.
 
-    validate(cfg)                                   # static checks: ConfigError (exit code 2)
+    check_settings(cfg)                             # the settings alone: ConfigError (exit code 2)
+    check_environment(cfg)                          # packages, credentials: once per command
     trackers = Trackers.open(cfg, run_dir, store)   # starts (or continues) each enabled tracker's run
     trackers.step(metrics)                          # a step record, as metrics.jsonl has it
     trackers.event(record)                          # checkpoint, resume, restart, resize, preemption, ...
     trackers.close(summary)                         # summary.json's dict; ends the runs with its status
 
 One module per tracker behind `base.Tracker` (`wandb.py`, `mlflow.py`, `tensorboard.py`, each
-with its settings' checks). `trackers.py` fans out to the enabled ones and owns the one rule for
+with its checks: of its settings, and of what it needs where the driver runs). `trackers.py` fans out to the enabled ones and owns the one rule for
 steps trained again (after a recovery, or a resume from an older checkpoint): a step a tracker
 has already is not logged again; the values first logged stay. A resumed run continues its W&B
 and MLflow runs, named in `tracking.json` at the root of the checkpoint store; TensorBoard keeps
@@ -23,8 +24,9 @@ before, no events and no summary.
 
 What reaches a tracker is redacted and scrubbed first (`rayhybrid.storage`): no storage secret,
 no user:password of a URL. A tracker that fails during the run logs one warning and records
-nothing more; training goes on. A setting that cannot work fails `Trackers.open` with a
-ConfigError naming it. wandb, mlflow and tensorboardX (which imports torch) are imported only
+nothing more; training goes on. A setting that cannot work is refused before the run starts
+(`rayhybrid.preflight`), a server out of reach by `Trackers.open`, each with a ConfigError naming
+it. wandb, mlflow and tensorboardX (which imports torch) are imported only
 when their tracker is enabled. Not thread-safe: the driver's thread calls these; MLflow's calls
 run on a thread of their own, so a slow server never holds up a step.
 """
@@ -32,7 +34,7 @@ run on a thread of their own, so a slow server never holds up a step.
 from rayhybrid.tracking.base import FINISH_TIMEOUT_S, SKIPPED_KEYS, Start, Tracker, flatten, step_scalars
 from rayhybrid.tracking.mlflow import MLflowTracker, is_file_store, mlflow_tracking_uri
 from rayhybrid.tracking.tensorboard import TensorBoardTracker, tensorboard_dir
-from rayhybrid.tracking.trackers import BACKENDS, TRACKING_FILE, Trackers, validate
+from rayhybrid.tracking.trackers import BACKENDS, TRACKING_FILE, Trackers, check_environment, check_settings
 from rayhybrid.tracking.wandb import WandbTracker
 
 _MLflow = MLflowTracker  # the names these classes had in rayhybrid/tracking.py
@@ -49,10 +51,11 @@ __all__ = [
     "Tracker",
     "Trackers",
     "WandbTracker",
+    "check_environment",
+    "check_settings",
     "flatten",
     "is_file_store",
     "mlflow_tracking_uri",
     "step_scalars",
     "tensorboard_dir",
-    "validate",
 ]

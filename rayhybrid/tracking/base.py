@@ -77,8 +77,14 @@ class Tracker(ABC):
         """Whether the config turns this tracker on."""
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
-        """Static checks of its settings (it is enabled): ConfigError. Nothing by default."""
+    def check_settings(cls, cfg: Config) -> None:
+        """The checks of its settings alone (it is enabled): ConfigError. No package, file,
+        network or environment variable is looked at. Nothing by default."""
+
+    @classmethod
+    def check_environment(cls, cfg: Config) -> None:
+        """What it needs where the driver runs (it is enabled, its settings passed): its package
+        installed, credentials; ConfigError. Once per command. Nothing by default."""
 
     @classmethod
     @abstractmethod

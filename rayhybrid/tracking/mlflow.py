@@ -117,10 +117,15 @@ class MLflowTracker(Tracker):
         return cfg.metrics.mlflow.enabled
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
-        """An empty experiment, no mlflow package, a database URI that mlflow-skinny cannot use."""
+    def check_settings(cls, cfg: Config) -> None:
+        """An empty experiment."""
         if not cfg.metrics.mlflow.experiment.strip():
             raise ConfigError("metrics.mlflow.experiment", "must not be empty; set metrics.mlflow.experiment=<name>")
+
+    @classmethod
+    def check_environment(cls, cfg: Config) -> None:
+        """No mlflow package; a database URI (the setting's, else MLFLOW_TRACKING_URI) that
+        mlflow-skinny cannot use. The server itself is reached when the run opens (`open`)."""
         require("mlflow", "metrics.mlflow")
         scheme = urlsplit(mlflow_tracking_uri(cfg)).scheme.split("+")[0]
         if scheme in DATABASE_SCHEMES and not importable("sqlalchemy"):

@@ -25,14 +25,22 @@ CHECKED: tuple[type[Tracker], ...] = (WandbTracker, MLflowTracker, TensorBoardTr
 """In the order their settings are checked."""
 
 
-def validate(cfg: Config) -> None:
-    """Raise ConfigError for a tracker setting that cannot work: an unknown W&B mode, an empty
-    project or experiment, a tracker's package not installed, W&B online without credentials,
-    a database tracking URI that mlflow-skinny cannot use. Imports a package only when its
-    tracker is enabled."""
+def check_settings(cfg: Config) -> None:
+    """Raise ConfigError for a tracker setting that cannot work, from the settings alone: an
+    unknown W&B mode, an empty project or experiment, a bad tag. Reads nothing else."""
     for backend in CHECKED:
         if backend.enabled(cfg):
-            backend.validate(cfg)
+            backend.check_settings(cfg)
+
+
+def check_environment(cfg: Config) -> None:
+    """Raise ConfigError for an enabled tracker that cannot start here: its package not
+    installed, W&B online without credentials, a database tracking URI that mlflow-skinny cannot
+    use. Imports a package only when its tracker is enabled. Once per command
+    (`rayhybrid.preflight.check_environment`), after `check_settings`."""
+    for backend in CHECKED:
+        if backend.enabled(cfg):
+            backend.check_environment(cfg)
 
 
 class Trackers:
@@ -55,9 +63,9 @@ class Trackers:
         """Start every enabled tracker's run, or continue the one `tracking.json` in `store` names
         (no store: always a new run), and log the config (redacted). `checkpoint_found`: whether
         the store holds a checkpoint, when the caller has looked (else the store is listed).
-        Raises ConfigError when a tracker cannot start: a bad setting, no credentials, a server
-        out of reach."""
-        validate(cfg)
+        Raises ConfigError when a tracker cannot start (a server out of reach, a run it cannot
+        create). The settings, packages and credentials were checked once, before the command
+        started anything (`check_settings`, `check_environment`, run by `rayhybrid.preflight`)."""
         backends = [backend for backend in BACKENDS if backend.enabled(cfg)]
         if not backends:
             return cls([])

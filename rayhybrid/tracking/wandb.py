@@ -78,9 +78,8 @@ class WandbTracker(Tracker):
         return cfg.metrics.wandb.enabled
 
     @classmethod
-    def validate(cls, cfg: Config) -> None:
-        """An unknown mode, an empty or unusable project, a bad tag, no wandb package, online
-        without credentials."""
+    def check_settings(cls, cfg: Config) -> None:
+        """An unknown mode, an empty or unusable project, a bad tag."""
         wb = cfg.metrics.wandb
         if wb.mode not in WANDB_MODES:
             raise ConfigError(
@@ -96,6 +95,11 @@ class WandbTracker(Tracker):
         for tag in wb.tags:
             if not str(tag).strip() or len(str(tag)) > 64:
                 raise ConfigError("metrics.wandb.tags", f"tag {tag!r}: a tag is 1 to 64 characters")
+
+    @classmethod
+    def check_environment(cls, cfg: Config) -> None:
+        """No wandb package; online without credentials (WANDB_API_KEY, a token file, ~/.netrc)."""
+        wb = cfg.metrics.wandb
         require("wandb", "metrics.wandb")
         if wb.mode == "online" and not _wandb_credentials():
             raise ConfigError(

@@ -34,8 +34,8 @@ import logging
 
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import SCHEDULE_TABLE
-from rayhybrid.tune.plan import Point, Record, fastest, record_of
 from rayhybrid.tune.space import batch_sizes, is_valid, planned_peak_mb, trial_config
+from rayhybrid.tune.trials import Point, Record, fastest, record_of
 
 log = logging.getLogger("rayhybrid")
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from rayhybrid.config.schema import Config
 from rayhybrid.tune.layout import LayoutPlan
-from rayhybrid.tune.plan import Record, TunePlan
-from rayhybrid.tune.search import LinearMemoryModel, Trial
+from rayhybrid.tune.memory_search import LinearMemoryModel, Trial
+from rayhybrid.tune.microbatch import TunePlan
 from rayhybrid.tune.space import TOPOLOGY_FIELDS, topology_fields
+from rayhybrid.tune.trials import Record
 
 log = logging.getLogger("rayhybrid")
 

@@ -22,12 +22,12 @@ from rayhybrid.config.compose import replace
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError, RayHybridError, WorkerError
-from rayhybrid.preflight import validate
+from rayhybrid.preflight import check_config, check_environment
 from rayhybrid.tune import space
-from rayhybrid.tune.plan import Point, TunePlan
-from rayhybrid.tune.search import PEAK_PREFIX
-from rayhybrid.tune.searcher import PlanSearcher
+from rayhybrid.tune.microbatch import TunePlan
+from rayhybrid.tune.ray_searcher import PlanSearcher
 from rayhybrid.tune.space import TOPOLOGY_FIELDS, trial_config
+from rayhybrid.tune.trials import PEAK_PREFIX, Point
 
 log = logging.getLogger("rayhybrid")
 
@@ -48,7 +48,7 @@ class TrialHost:
 
         cfg = trial_config(self.cfg, point)
         try:
-            validate(cfg)
+            check_config(cfg)  # the environment was checked once, by tune_main
         except ConfigError as err:
             return {"oom": 0, "error": str(err), "tokens_per_s": 0.0}
         start = time.perf_counter()
@@ -352,17 +352,22 @@ def _release(host, started_ray: bool) -> None:
 
 
 def tune_main(overrides: list[str], run_dir: str | Path | None = None) -> dict:
-    """Compose, validate and tune (the `python -m rayhybrid.tune` entry point, for scripts)."""
+    """Compose, check and tune (the `python -m rayhybrid.tune` entry point, for scripts). The
+    trials' configs pass the config's checks (`check_tune`, and each candidate as the search
+    makes it); what they share in the world (data, stores, `cluster.code`) is checked here,
+    once, on the first trial's config (trials log to no tracker)."""
     from rayhybrid.preflight import ensure_logging, load_run
 
     cfg = load_run(overrides, run_dir, check=False)
     check_tune(cfg)
+    check_environment(trial_config(cfg, base_point(cfg, bool(cfg.tune.activation_checkpointing[0]), 1)))
     ensure_logging()
     return run_tune(cfg, overrides)
 
 
 def check_tune(cfg: Config) -> None:
-    """The tune section's one-line errors (exit 2), before Ray starts."""
+    """The tune section's one-line errors (exit 2), and the config's checks of the trials'
+    configs (`check_config`), before Ray starts."""
     tc, t = cfg.tune, cfg.topology
     if tc.search not in SEARCHES:
         raise ConfigError("tune.search", f"must be one of {', '.join(SEARCHES)}; got {tc.search!r}")
@@ -403,7 +408,7 @@ def check_tune(cfg: Config) -> None:
         if g:
             if not space.batch_sizes(cfg, g // t.dp, {"activation_checkpointing": ac}):
                 first = base_point(cfg, ac, 1)
-                validate(trial_config(cfg, first))  # the reason, as the config checks word it
+                check_config(trial_config(cfg, first))  # the reason, as the config checks word it
                 raise ConfigError("tune.global_batch_size", f"{g} leaves no valid micro-batch size on this topology")
             continue
-        validate(trial_config(cfg, base_point(cfg, ac, probes[0] if probes else 1)))
+        check_config(trial_config(cfg, base_point(cfg, ac, probes[0] if probes else 1)))

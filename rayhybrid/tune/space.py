@@ -1,14 +1,14 @@
 """What a tuning trial may be, free of Ray: its training config, the micro-batch sizes a fixed
 global batch allows, and the planner's memory prediction for it (rayhybrid/plan/).
 
-A point is a dict of `Point` fields (plan.py): the batch shape (`micro_batch_size`,
+A point is a dict of `Point` fields (trials.py): the batch shape (`micro_batch_size`,
 `num_microbatches`), `activation_checkpointing`, and for a layout search the topology
 (`dp`, `pp`, `tp`, `schedule`, `stages_per_rank`, `dp_shard`); what it leaves out is the base
 config's.
 
     cfg_t = trial_config(cfg, point)
     planned_peak_mb(cfg_t, cuda=False)                      # None: the model has no memory model
-    sizes = batch_sizes(cfg, per_replica=8)                 # [1, 2, 4, 8] that validate
+    sizes = batch_sizes(cfg, per_replica=8)                 # [1, 2, 4, 8] that pass the checks
     largest_planned(cfg, point_of, sizes, limit_mb=6.0)     # the largest whose plan fits
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from rayhybrid.config.compose import replace
 from rayhybrid.config.schema import Config
 from rayhybrid.errors import ConfigError
-from rayhybrid.preflight import validate
+from rayhybrid.preflight import check_config
 
 TOPOLOGY_FIELDS = ("dp", "pp", "tp", "schedule", "stages_per_rank", "dp_shard")
 
@@ -61,8 +61,11 @@ def trial_config(cfg: Config, point: dict) -> Config:
 
 
 def is_valid(cfg: Config) -> bool:
+    """Whether a trial's config passes the config's checks (`rayhybrid.preflight.check_config`:
+    pure, no file read). What the trials share in the world, the data and the stores, is checked
+    once per command, not per candidate."""
     try:
-        validate(cfg)
+        check_config(cfg)
     except ConfigError:
         return False
     return True

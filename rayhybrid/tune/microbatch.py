@@ -1,7 +1,8 @@
-"""The whole tuning plan, free of Ray: memory first, then throughput on the feasible frontier.
+"""`tune.search=micro_batch`: the batch shape on the topology given, free of Ray (`TunePlan`):
+memory first, then throughput on the feasible frontier.
 
 1. **Memory**, for each `train.activation_checkpointing` setting asked for: a `MicroBatchSearch`
-   (search.py). With a free global batch it runs at `n0` micro-batches per step (the fewest a
+   (memory_search.py). With a free global batch it runs at `n0` micro-batches per step (the fewest a
    pipeline fills with: `pp`): under 1F1B a stage holds at most `pp - stage` micro-batches
    whatever their number, so the largest micro-batch `M` found there fits any larger number too;
    GPipe holds all of them, and the throughput trials below measure what they hold. With a fixed
@@ -31,122 +32,13 @@ on GPUs, `tokens_per_cpu_s` (the busiest rank's CPU time) on CPU, where ranks sh
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from rayhybrid.tune.search import PEAK_PREFIX, MicroBatchSearch, fit_line
-from rayhybrid.tune.space import TOPOLOGY_FIELDS
+from rayhybrid.tune.memory_search import MicroBatchSearch, fit_line
+from rayhybrid.tune.trials import Point, Record, fastest, record_of
 
 SLACK = 0.1
 """A fixed global batch's size not run yet is timed when the fitted step time puts it within this
 fraction of the fastest size run (the fit is rough: two or three points)."""
-
-
-@dataclass(frozen=True)
-class Point:
-    micro_batch_size: int
-    num_microbatches: int
-    activation_checkpointing: bool
-    layout: tuple | None = None  # (dp, pp, tp, schedule, stages_per_rank, dp_shard): a layout search's
-
-    def as_config(self, purpose: str) -> dict:
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "num_microbatches": self.num_microbatches,
-            "activation_checkpointing": self.activation_checkpointing,
-            **(dict(zip(TOPOLOGY_FIELDS, self.layout)) if self.layout else {}),
-            "purpose": purpose,
-        }
-
-    def where(self) -> str:
-        """The layout, e.g. "dp2 pp4 tp1 1f1b sharded" ("" on the base topology)."""
-        if not self.layout:
-            return ""
-        dp, pp, tp, schedule, _, shard = self.layout
-        return f"dp{dp} pp{pp} tp{tp}{' ' + schedule if pp > 1 else ''}{' sharded' if shard else ''}"
-
-    def label(self) -> str:
-        """A short name for plots, e.g. "dp2 pp4 tp1 1f1b mb2x4 AC"."""
-        ac = " AC" if self.activation_checkpointing else ""
-        return f"{self.where()} mb{self.micro_batch_size}x{self.num_microbatches}{ac}".strip()
-
-    @classmethod
-    def of(cls, config: dict) -> Point:
-        layout = tuple(config[k] for k in TOPOLOGY_FIELDS) if "dp" in config else None
-        return cls(config["micro_batch_size"], config["num_microbatches"], config["activation_checkpointing"], layout)
-
-
-@dataclass
-class Record:
-    """One trial: where it ran, why, and what it measured."""
-
-    point: Point
-    purpose: str  # "memory", "throughput" or "layout"
-    oom: bool
-    peaks_mb: dict[str, float] = field(default_factory=dict)
-    tokens_per_s: float = 0.0
-    error: str = ""
-    predicted_peak_mb: float | None = None  # the memory search's line
-    planned_mb: float | None = None  # the planner's (rayhybrid/plan/)
-    step_time_s: float = 0.0
-    cpu_s: float = 0.0  # the busiest rank's CPU seconds per step
-    tokens_per_cpu_s: float = 0.0
-
-    @property
-    def peak_mb(self) -> float:
-        return max(self.peaks_mb.values(), default=0.0)
-
-    def fits(self, budget_mb: float) -> bool:
-        return not self.oom and not self.error and bool(self.peaks_mb) and self.peak_mb <= budget_mb
-
-    def describe(self, budget_mb: float) -> str:
-        """One progress line: where the trial ran and what it measured."""
-        p = self.point
-        where = f"{p.where()}, " if p.layout else ""
-        shape = f"{where}micro-batch {p.micro_batch_size} x {p.num_microbatches}{' AC' if p.activation_checkpointing else ''}"
-        planned = f" (planned {self.planned_mb:.2f})" if self.planned_mb is not None else ""
-        if self.oom:
-            return f"{shape}: out of memory{planned}"
-        if self.error:
-            return f"{shape}: failed: {self.error}"
-        verdict = "fits" if self.fits(budget_mb) else "over budget"
-        return (
-            f"{shape}: peak {self.peak_mb:.2f} MB{planned} of {budget_mb:g}, {verdict}; {self.tokens_per_s:,.0f} tok/s"
-            + (f", {self.tokens_per_cpu_s:,.0f} tok/CPU-s" if self.tokens_per_cpu_s else "")
-        )
-
-    def speed(self, metric: str = "tokens_per_s") -> float:
-        return getattr(self, metric)
-
-    def seconds(self, metric: str = "tokens_per_s") -> float:
-        """Step time by the ranking's clock."""
-        return self.cpu_s if metric == "tokens_per_cpu_s" else self.step_time_s
-
-
-def peaks_from_result(result: dict) -> dict[str, float]:
-    return {k[len(PEAK_PREFIX) :]: float(v) for k, v in result.items() if k.startswith(PEAK_PREFIX)}
-
-
-def record_of(point: Point, purpose: str, result: dict | None, error: bool = False, **predictions) -> Record:
-    """A trial's `Record` from its result (`oom`, `tokens_per_s`, `peak_mb/<key>` entries,
-    `error`, ...); a trial that crashed (`error=True`) fitted nothing."""
-    result = result or {}
-    return Record(
-        point,
-        purpose,
-        oom=bool(result.get("oom", 0)),
-        peaks_mb=peaks_from_result(result),
-        tokens_per_s=float(result.get("tokens_per_s") or 0.0),
-        error=str(result.get("error") or ("the trial crashed" if error else "")),
-        step_time_s=float(result.get("step_time_s") or 0.0),
-        cpu_s=float(result.get("cpu_s") or 0.0),
-        tokens_per_cpu_s=float(result.get("tokens_per_cpu_s") or 0.0),
-        **predictions,
-    )
-
-
-def fastest(records: list[Record], budget_mb: float, metric: str) -> Record | None:
-    """The fastest record (by `metric`) that fitted `budget_mb`."""
-    return max((r for r in records if r.fits(budget_mb)), key=lambda r: r.speed(metric), default=None)
 
 
 def fit_step_time(records: list[Record], bubble: Callable[[int], float], metric: str) -> tuple[float, float] | None:

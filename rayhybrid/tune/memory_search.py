@@ -22,7 +22,7 @@ Three trials with planner-placed probes, four or five from 1 and 2; the answer i
 size that fits, or within TOLERANCE of it.
 
 `MicroBatchSearch` is that procedure, free of Ray so it can be tested against synthetic memory
-oracles; `PlanSearcher` (searcher.py) drives a whole `TunePlan` (plan.py) from a Ray Tune search.
+oracles; `PlanSearcher` (ray_searcher.py) drives a whole `TunePlan` (microbatch.py) from a Ray Tune search.
 
     search = MicroBatchSearch(budget_mb=16_000)
     while (m := search.next()) is not None:
@@ -284,6 +284,3 @@ class MicroBatchSearch:
     def _limit(self) -> float:
         """The budget less the safety margin: where predictions aim."""
         return self.budget_mb * (1 - self.margin)
-
-
-PEAK_PREFIX = "peak_mb/"  # result keys "peak_mb/<rank/stage/phase>" carry a trial's peaks

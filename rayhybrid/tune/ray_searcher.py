@@ -1,4 +1,5 @@
-"""The Ray Tune side of the search: a `Searcher` that runs a `TunePlan` (plan.py)."""
+"""The Ray Tune side of a search: a `Searcher` that runs a `TunePlan` (microbatch.py) or a
+`LayoutPlan` (layout.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ log = logging.getLogger("rayhybrid")
 
 
 class PlanSearcher(Searcher):
-    """A Ray Tune `Searcher` that runs a `TunePlan` (see plan.py) one trial at a time.
+    """A Ray Tune `Searcher` that runs a `TunePlan` (microbatch.py) or a `LayoutPlan`
+    (layout.py) one trial at a time.
 
     Each suggested config is `base_config` plus the plan's point (`micro_batch_size`,
     `num_microbatches`, `activation_checkpointing`, `purpose`); a trial reports `oom` (0/1),
