@@ -21,9 +21,9 @@ def run(tmp: Path, quick: bool) -> dict:
     from rayhybrid.cluster.connect import connect, resolve_shape
     from rayhybrid.preflight import load_config
     from rayhybrid.tune import space
-    from rayhybrid.tune.trials import peaks_from_result
-    from rayhybrid.tune.run import TrialHost, base_point
     from rayhybrid.tune.memory_search import MicroBatchSearch
+    from rayhybrid.tune.run import TrialHost, base_point
+    from rayhybrid.tune.trials import peaks_from_result
 
     budgets = (12.0,) if quick else (12.0, 40.0)
     rows = []
