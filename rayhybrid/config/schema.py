@@ -246,17 +246,14 @@ class FaultConfig:
     """A step that makes no progress for this long counts as a failure (a hung worker)."""
     inject: tuple[str, ...] = ()
     """Faults to inject, to rehearse failures: each KIND@STEP or KIND@STEP:RANK, e.g.
-    `fault.inject=[kill@5,hang@9:3]`. KIND: kill (the rank SIGKILLs itself at the start of step
-    STEP), hang (it SIGSTOPs itself; found by fault.step_timeout_s), raise (it raises
-    InjectedFault), kill_save (it SIGKILLs itself in the checkpoint save after step STEP, which
-    must be a checkpoint step, once its own data is written: mid-upload when async), kill_eval
-    (it SIGKILLs itself at the start of the evaluation after step STEP, an eval.every step).
-    STEP: 1-based optimizer step. RANK: the victim; without it, one drawn with
-    fault.inject_seed. Each fires once per run (see rayhybrid/faults/plan.py)."""
+    `fault.inject=[kill@5,hang@9:3]`. KIND: one of rayhybrid/faults/kinds.py's KINDS, which says
+    where each fires and what it does (kill, hang, raise at the start of step STEP; kill_save in
+    its checkpoint save; kill_eval in its evaluation). STEP: 1-based optimizer step. RANK: the
+    victim; without it, one drawn with fault.inject_seed. Each fires once per run."""
     inject_rate: float = 0.0
     """Random faults: the chance in [0, 1] that a step gets one (each step number drawn once)."""
     inject_kinds: tuple[str, ...] = ("kill", "hang", "raise")
-    """Kinds a random fault is drawn from (kill, hang, raise, kill_save)."""
+    """Kinds a random fault is drawn from (rayhybrid/faults/kinds.py's RANDOM_KINDS)."""
     inject_seed: int = 0
     """Seeds the random faults and the ranks drawn for fault.inject entries without a RANK."""
     heal: bool = True
