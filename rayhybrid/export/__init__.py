@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -101,8 +100,7 @@ def find_checkpoint(url: str, options: dict):
 
 def model_of(meta: dict, path: str):
     """(ModelConfig, its adapter, seq_len) from a checkpoint's meta.json."""
-    from rayhybrid.config.schema import ModelConfig
-    from rayhybrid.models.registry import get_spec
+    from rayhybrid.models.registry import get_spec, model_from_record
 
     recorded = meta.get("model")
     if not isinstance(recorded, dict):
@@ -111,8 +109,7 @@ def model_of(meta: dict, path: str):
             f"{redact_url(path)}'s meta.json records no model (written by an older rayhybrid); "
             "save a checkpoint with this version first",
         )
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    model = ModelConfig(**{k: v for k, v in recorded.items() if k in known})
+    model = model_from_record(recorded)  # a family's settings an older rayhybrid kept flat too
     spec = get_spec(model)
     if spec.hf is None:
         chosen = f"model.module={model.module}" if model.module else f"model.name={model.name}"
@@ -167,7 +164,7 @@ def export(
     }
     if not ours:
         raise ConfigError("--checkpoint", f"{store.display} holds no model tensors")
-    if model.tie_embeddings:
+    if adapter.tied(model):
         ours.pop("output.weight", None)  # the embedding's tensor; tied models drop lm_head.weight
     try:
         hf_names = {name: adapter.to_hf(name) for name in ours}
