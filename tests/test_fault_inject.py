@@ -416,6 +416,7 @@ def test_the_worker_fires_a_kind_where_the_table_says(monkeypatch, fires):
     calls: list = []
     monkeypatch.setitem(KINDS, "new", Kind(fires, "kill", False, "a kind added to the table"))
     monkeypatch.setattr(faults, "trigger", lambda kind, step: calls.append((f"trigger {kind}", step)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the worker sets it; restored after the test
     worker = TrainWorker(replace_cfg(Config(), eval={"every": 1}), rank=0, world_size=1)
     worker.trainer = _FakeTrainer(calls)
     worker.train(1, inject="new")
