@@ -77,7 +77,8 @@ def test_spec_module_imports_without_torch():
     [
         (["topology.tp=3"], "topology.tp", "tp=3 does not divide model.n_heads=4"),
         (["topology.tp=2", "model.ffn_dim=99"], "topology.tp", "MLP width"),
-        (["model.n_kv_heads=2"], "model.n_kv_heads", "does not use it"),
+        (["model.head_dim=8"], "model.head_dim", "does not use it"),
+        (["model.n_kv_heads=2"], "model.n_kv_heads", "write model.options.n_kv_heads="),
         (["model.options.activation=tanh"], "model.options.activation", "gelu"),
         (["model.options.init_std=-1"], "model.options.init_std", "positive"),
         (["model.options.dropout=0.1"], "model.options.dropout", "unknown option"),

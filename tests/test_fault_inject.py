@@ -1,4 +1,4 @@
-"""Fault injection (`fault.inject*`, rayhybrid/fault.py): parsing, validation, the plan of what
+"""Fault injection (`fault.inject*`, rayhybrid/faults/): the kinds' table, parsing, validation, the plan of what
 fires when, and the worker-side trigger. Pure: no Ray; the kill and hang triggers run in a
 throwaway `python -c` subprocess."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,19 @@ from rayhybrid.config.compose import compose, to_config
 from rayhybrid.config.compose import replace as replace_cfg
 from rayhybrid.config.schema import Config, FaultConfig
 from rayhybrid.errors import ConfigError
-from rayhybrid.faults import KINDS, RANDOM_KINDS, FaultPlan, InjectedFault, Injection, parse, trigger, validate_faults
+from rayhybrid.faults import (
+    KINDS,
+    RANDOM_KINDS,
+    FaultPlan,
+    InjectedFault,
+    Injection,
+    Kind,
+    fires_at,
+    parse,
+    trigger,
+    validate_faults,
+)
+from rayhybrid.faults.kinds import doc_lines
 from rayhybrid.preflight import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +184,7 @@ def test_command_line_form_composes():
 
 def test_defaults_inject_nothing():
     fault = FaultConfig()
-    assert (fault.inject, fault.inject_rate, fault.inject_kinds, fault.inject_seed) == ((), 0.0, KINDS[:3], 0)
+    assert (fault.inject, fault.inject_rate, fault.inject_kinds, fault.inject_seed) == ((), 0.0, tuple(KINDS)[:3], 0)
     assert all(FaultPlan(fault).due(step, "step", 4) is None for step in range(1, 100))
 
 
@@ -316,3 +329,98 @@ def test_kill_eval_needs_an_evaluation_step_and_is_never_drawn_at_random():
     assert "eval.every=4" in err.message
     err = _error(_cfg(fault={"inject_rate": 0.1, "inject_kinds": ("kill_eval",)}, eval=every4))
     assert err.setting == "fault.inject_kinds" and "unknown kind 'kill_eval'" in err.message
+
+
+# The kinds' table (rayhybrid/faults/kinds.py) ---------------------------------------------------
+
+
+def _fault_section(doc: str, title: str) -> str:
+    with open(os.path.join(ROOT, "docs", doc)) as f:
+        text = f.read()
+    section = text.split(title, 1)[1]
+    return " ".join(section.split("\n#", 1)[0].split())  # up to the next heading, one line
+
+
+def test_every_kind_is_documented_as_the_table_says():
+    """docs/design.md's list is the table's `doc_lines` (nothing more, nothing less), and
+    docs/recovery-and-elasticity.md has a row for each kind."""
+    design = _fault_section("design.md", "### Fault injection")
+    for line in doc_lines():
+        assert " ".join(line.split())[:-1] in design, line
+    assert re.findall(r"- `(\w+)`: ", design) == list(KINDS)
+    users = _fault_section("recovery-and-elasticity.md", "### Rehearsing failures")
+    assert re.findall(r"\| `(\w+)` \|", users) == list(KINDS)
+
+
+def test_the_table_drives_parsing_validation_and_the_plan(monkeypatch):
+    """A new kind is one entry in KINDS: parse accepts it, validation asks for a step where it
+    can fire, the plan puts it on the driver's call that carries it, and trigger does its effect."""
+    assert set(RANDOM_KINDS) == {name for name, kind in KINDS.items() if kind.random}
+    assert {name: KINDS[name].fires for name in KINDS} == {
+        "kill": "step",
+        "hang": "step",
+        "raise": "step",
+        "kill_save": "save",
+        "kill_eval": "eval",
+    }
+    monkeypatch.setitem(KINDS, "raise_eval", Kind("eval", "raise", False, "it raises in the evaluation"))
+    monkeypatch.setitem(KINDS, "raise_save", Kind("save", "raise", True, "it raises in the save"))
+    assert parse("raise_eval@8") == Injection("raise_eval", 8, None) and parse("raise_eval@8").phase == "step"
+    assert parse("raise_save@50").phase == "save"
+    validate(_cfg(fault={"inject": ("raise_eval@8", "raise_save@50")}, eval={"every": 4}))
+    err = _error(_cfg(fault={"inject": ("raise_eval@6",)}, eval={"every": 4}))
+    assert "no evaluation after step 6" in err.message
+    err = _error(_cfg(fault={"inject": ("raise_save@7",)}))
+    assert "not a checkpoint step" in err.message
+    err = _error(_cfg(fault={"inject_rate": 0.1, "inject_kinds": ("raise_save",)}, checkpoint={"every": 0}))
+    assert err.setting == "fault.inject_kinds" and "raise_save needs checkpoint saves" in err.message
+    plan = FaultPlan(FaultConfig(inject_rate=1.0, inject_kinds=("raise_save",)))
+    assert plan.due(1, "step", 2) is None and plan.due(1, "save", 2).kind == "raise_save"
+    assert fires_at("raise_eval", "eval") and not fires_at("raise_eval", "step") and not fires_at(None, "eval")
+    with pytest.raises(InjectedFault):
+        trigger("raise_eval", 8)
+
+
+def test_unknown_kind_errors_list_the_table(monkeypatch):
+    monkeypatch.setitem(KINDS, "kill_load", Kind("step", "kill", True, "a kind added to the table"))
+    with pytest.raises(ConfigError) as info:
+        parse("explode@5")
+    assert "kill_load" in info.value.message and "kill_eval" in info.value.message
+    with pytest.raises(ValueError, match="kill_load"):
+        trigger("explode", 5)
+
+
+class _FakeTrainer:
+    """What TrainWorker.train touches of a Trainer."""
+
+    def __init__(self, calls: list) -> None:
+        self.step, self.calls = 0, calls
+
+    def train_step(self) -> dict:
+        self.step += 1
+        self.calls.append(("train_step", self.step))
+        return {"step": self.step}
+
+    def evaluate(self) -> float:
+        self.calls.append(("evaluate", self.step))
+        return 1.0
+
+
+@pytest.mark.parametrize("fires", ["step", "eval"])
+def test_the_worker_fires_a_kind_where_the_table_says(monkeypatch, fires):
+    """TrainWorker.train fires a step's kind before the step and an evaluation's kind before
+    the evaluation, for any kind of the table (here a new one), not a list of names."""
+    from rayhybrid import faults
+    from rayhybrid.cluster.worker import TrainWorker
+
+    calls: list = []
+    monkeypatch.setitem(KINDS, "new", Kind(fires, "kill", False, "a kind added to the table"))
+    monkeypatch.setattr(faults, "trigger", lambda kind, step: calls.append((f"trigger {kind}", step)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the worker sets it; restored after the test
+    worker = TrainWorker(replace_cfg(Config(), eval={"every": 1}), rank=0, world_size=1)
+    worker.trainer = _FakeTrainer(calls)
+    worker.train(1, inject="new")
+    if fires == "step":
+        assert calls == [("trigger new", 1), ("train_step", 1), ("evaluate", 1)]
+    else:
+        assert calls == [("train_step", 1), ("trigger new", 1), ("evaluate", 1)]

@@ -26,6 +26,8 @@ import torch
 
 from rayhybrid.config.compose import compose
 from rayhybrid.errors import ConfigError
+from rayhybrid.models.llama3.settings import kv_heads
+from rayhybrid.models.registry import settings_of
 from rayhybrid.preflight import load_config, to_run_config
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store
@@ -119,8 +121,8 @@ def assert_close(ours: float, theirs: float, what: str, reference: str = "transf
 
 def test_config_json_sets_the_shape(hf_dirs):
     cfg = load_config(["model=llama3.2_1b", f"model.init_from={hf_dirs['untied']}"])  # the preset's shape goes
-    m = cfg.model
-    assert (m.name, m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.hidden_dim, m.vocab_size) == (
+    m, own = cfg.model, settings_of(cfg.model)
+    assert (m.name, m.n_layers, m.d_model, m.n_heads, kv_heads(m), m.hidden_dim, m.vocab_size) == (
         "llama3",
         4,
         64,
@@ -129,15 +131,15 @@ def test_config_json_sets_the_shape(hf_dirs):
         176,
         256,
     )
-    assert (m.rope_theta, m.rope_scaling, m.max_positions, m.tie_embeddings) == (500000.0, {}, 128, False)
+    assert (own.rope_theta, own.rope_scaling, m.max_positions, own.tie_embeddings) == (500000.0, {}, 128, False)
     assert m.init_from == os.path.abspath(hf_dirs["untied"])
-    assert load_config(["model=llama3_debug", f"model.init_from={hf_dirs['tied']}"]).model.tie_embeddings
+    assert settings_of(load_config(["model=llama3_debug", f"model.init_from={hf_dirs['tied']}"]).model).tie_embeddings
     # Overrides that agree with config.json are fine (head_dim 16 is d_model / n_heads).
     agreeing = ["model=llama3_debug", f"model.init_from={hf_dirs['untied']}", "model.n_layers=4", "model.head_dim=16"]
     assert load_config(agreeing).model.n_layers == 4
     # A tied checkpoint may be trained untied (not the other way round: see test_init_from_errors).
-    untied = ["model=llama3_debug", f"model.init_from={hf_dirs['tied']}", "model.tie_embeddings=false"]
-    assert not load_config(untied).model.tie_embeddings
+    untied = ["model=llama3_debug", f"model.init_from={hf_dirs['tied']}", "model.options.tie_embeddings=false"]
+    assert not settings_of(load_config(untied).model).tie_embeddings
     # The path of `rayhybrid.train` and `python -m rayhybrid.tune`: a node with its Hydra overrides.
     node = compose(["model=llama3_debug", f"model.init_from={hf_dirs['untied']}"], return_hydra_config=True)
     assert to_run_config(node).model.max_positions == 128
@@ -181,8 +183,9 @@ def llama_config_json(**changes) -> dict:
         ("gpt2", [], ["model.init_from", "GPT2LMHeadModel", "LlamaForCausalLM"]),
         ("yarn", [], ["model.init_from", "rope type 'yarn'"]),
         ("llama", ["model.n_layers=3"], ["model.n_layers", "num_hidden_layers=4", "remove the override"]),
-        ("llama", ["model.tie_embeddings=true"], ["model.tie_embeddings", "tie_word_embeddings=false"]),
-        ("llama", ["++model.rope_scaling.factor=8"], ["model.rope_scaling", "contradicts"]),
+        ("llama", ["model.options.tie_embeddings=true"], ["model.options.tie_embeddings", "tie_word_embeddings=false"]),
+        ("llama", ["++model.options.rope_scaling.factor=8"], ["model.options.rope_scaling", "contradicts"]),
+        ("llama", ["model.options.n_kv_heads=1"], ["model.options.n_kv_heads", "num_key_value_heads=2"]),
         ("missing_dir", [], ["model.init_from", "is not a directory"]),
         ("s3", [], ["model.init_from", "not a local directory"]),
     ],
@@ -224,7 +227,7 @@ def test_init_from_a_model_without_adapter(tmp_path):
     for word in ("model.name=gpt has no Hugging Face adapter", "LlamaForCausalLM", "add model.name=llama3"):
         assert word in str(err.value), err.value
     # ... which works: config.json sets every shape field the preset (gpt_tiny) gave.
-    assert load_config([f"model.init_from={path}", "model.name=llama3"]).model.n_kv_heads == 2
+    assert settings_of(load_config([f"model.init_from={path}", "model.name=llama3"]).model).n_kv_heads == 2
 
 
 def run_module(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -281,7 +284,7 @@ def test_first_loss_matches_transformers(hf_dirs, trained):
             # Tied across stages: the last stage's copy of the embedding is read from it.
             "pp2_tied": ("tied", ("+topology=pp2",)),
             # A tied checkpoint trained untied (pipelines need it): the output starts as a copy.
-            "pp2_untied_from_tied": ("tied", ("+topology=pp2", "model.tie_embeddings=false")),
+            "pp2_untied_from_tied": ("tied", ("+topology=pp2", "model.options.tie_embeddings=false")),
         },
     }
     first: dict[str, tuple[str, float]] = {"dp2_pp2_tp2": ("untied", trained["before"][0])}

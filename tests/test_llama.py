@@ -1,4 +1,4 @@
-"""Llama 3 specifics: a tied output (`model.tie_embeddings=true`) trains with the same losses
+"""Llama 3 specifics: a tied output (`model.options.tie_embeddings=true`) trains with the same losses
 under tensor parallelism and FSDP as on one rank, and stays one tensor through a checkpoint
 and a resume under another topology; and the config errors a Llama shape can cause.
 
@@ -7,12 +7,11 @@ The Llama debug preset also runs in the shared parity, checkpoint, recovery and 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from rayhybrid.config.schema import Config, DataConfig, TrainConfig
 from rayhybrid.errors import ConfigError
+from rayhybrid.models.registry import settings_of
 from rayhybrid.preflight import load_config
 from tests.distributed import replace_topology, run_ranks, train_save_resume
 from tests.test_cli import assert_one_line_error, run_cli
@@ -24,7 +23,7 @@ TIED_PAIR = [("output.weight", "tok_embeddings.weight")]
 
 
 def tied_config() -> Config:
-    model = dataclasses.replace(load_config(["model=llama3_debug"]).model, tie_embeddings=True)
+    model = load_config(["model=llama3_debug", "model.options.tie_embeddings=true"]).model
     return Config(
         model=model,
         data=DataConfig(seq_len=32),
@@ -106,19 +105,20 @@ def test_tp_that_does_not_divide_the_kv_heads_exits_2(tmp_path):
 
 
 def test_kv_heads_must_divide_the_heads():
-    err = config_error("model=llama3_debug", "model.n_kv_heads=3")
-    assert err.setting == "model.n_kv_heads" and "model.n_heads=4" in err.message
+    err = config_error("model=llama3_debug", "model.options.n_kv_heads=3")
+    assert err.setting == "model.options.n_kv_heads" and "model.n_heads=4" in err.message
 
 
 def test_gpt_refuses_kv_heads():
-    err = config_error("model.name=gpt", "model.n_kv_heads=2")
-    assert err.setting == "model.n_kv_heads" and "gpt" in err.message
+    err = config_error("model.name=gpt", "model.options.n_kv_heads=2")
+    assert err.setting == "model.options.n_kv_heads" and "gpt" in err.message
 
 
 def test_tied_output_is_accepted_with_pipelines():
     """Once refused; the last stage now holds a copy (tests/test_tied_pipeline.py)."""
     for overrides in (["+topology=dp2_pp2_tp2"], ["topology.pp=4"], ["+topology=dp2_tp2", "topology.dp_shard=true"]):
-        assert load_config(["model=llama3_debug", "model.tie_embeddings=true", *overrides]).model.tie_embeddings
+        model = load_config(["model=llama3_debug", "model.options.tie_embeddings=true", *overrides]).model
+        assert settings_of(model).tie_embeddings
 
 
 def test_unknown_model_name_lists_the_builtins():
@@ -130,13 +130,16 @@ def test_unknown_model_name_lists_the_builtins():
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["model=llama3_debug", "+model.rope_scaling.bad=1.0"],  # no factor either
-        ["model=llama3_debug", "+model.rope_scaling={factor:8.0,bad:1.0}"],
-        ["model=llama3.1_8b", "model.rope_scaling.low_freq=1.0"],  # a misspelt key next to good ones
+        ["model=llama3_debug", "+model.options.rope_scaling.bad=1.0"],  # no factor either
+        ["model=llama3_debug", "+model.options.rope_scaling={factor:8.0,bad:1.0}"],
+        ["model=llama3.1_8b", "model.options.rope_scaling.low_freq=1.0"],  # a misspelt key next to good ones
     ],
 )
 def test_rope_scaling_with_an_unknown_key(overrides):
     err = config_error(*overrides)
-    assert err.setting == "model.rope_scaling" and "low_freq_factor" in err.message
-    good = "+model.rope_scaling={factor:8.0,low_freq_factor:1.0,high_freq_factor:4.0,original_max_position_embeddings:8192}"
-    assert load_config(["model=llama3_debug", good]).model.rope_scaling["factor"] == 8.0
+    assert err.setting == "model.options.rope_scaling" and "low_freq_factor" in err.message
+    good = (
+        "+model.options.rope_scaling="
+        "{factor:8.0,low_freq_factor:1.0,high_freq_factor:4.0,original_max_position_embeddings:8192}"
+    )
+    assert settings_of(load_config(["model=llama3_debug", good]).model).rope_scaling["factor"] == 8.0

@@ -18,6 +18,8 @@ from test_cli import REPO, run_cli
 
 from rayhybrid.config.topology import Topology
 from rayhybrid.models.llama3.counts import flops_per_token, num_params
+from rayhybrid.models.llama3.settings import kv_dim, settings
+from rayhybrid.models.llama3.settings import kv_heads as kv_heads_of
 from rayhybrid.plan import build_plan
 from rayhybrid.plan import estimate as est
 from rayhybrid.preflight import load_config
@@ -43,7 +45,15 @@ def test_presets_have_the_published_parameter_counts(preset):
     total, layers, d, heads, kv_heads, h, v, tied = PUBLISHED[preset]
     cfg = load_config([f"model={preset}", "data.seq_len=2048"])
     m = cfg.model
-    assert (m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.hidden_dim, m.vocab_size, m.tie_embeddings) == (
+    assert (
+        m.n_layers,
+        m.d_model,
+        m.n_heads,
+        kv_heads_of(m),
+        m.hidden_dim,
+        m.vocab_size,
+        settings(m).tie_embeddings,
+    ) == (
         layers,
         d,
         heads,
@@ -116,7 +126,15 @@ def test_the_plan_text_names_the_llama_shape(tmp_path):
 def test_flops_with_grouped_query_attention_by_hand():
     cfg = load_config(["model=llama3_debug"])
     m, s = cfg.model, cfg.data.seq_len  # 4 layers, d 64, 4 heads of 16, 2 KV heads, ffn 176, V 256
-    assert (m.n_layers, m.d_model, m.attn_dim, m.kv_dim, m.hidden_dim, m.vocab_size, s) == (4, 64, 64, 32, 176, 256, 64)
+    assert (m.n_layers, m.d_model, m.attn_dim, kv_dim(m), m.hidden_dim, m.vocab_size, s) == (
+        4,
+        64,
+        64,
+        32,
+        176,
+        256,
+        64,
+    )
     # Non-embedding parameters: per layer q, o 64x64, k, v 32x64, three 64x176, two norms of
     # 64; the final norm; the untied output 256x64.
     dense = 4 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 176 + 2 * 64) + 64 + 256 * 64
@@ -127,12 +145,12 @@ def test_flops_with_grouped_query_attention_by_hand():
     # layer) but not the scores and their weighted sum, which every query head computes.
     attention = 12 * 4 * s * 64
     for kv_heads in (1, 2, 4):
-        other = load_config(["model=llama3_debug", f"model.n_kv_heads={kv_heads}"]).model
+        other = load_config(["model=llama3_debug", f"model.options.n_kv_heads={kv_heads}"]).model
         assert num_params(other) - num_params(m) == 4 * 2 * 64 * 16 * (kv_heads - 2)
         assert flops_per_token(other, s) - flops_per_token(other, s, attention=False) == attention
         assert flops_per_token(other, s) - flops_per_token(m, s) == 6 * (num_params(other) - num_params(m))
     # A tied output multiplies with the embedding's table: every parameter counts.
-    tied = load_config(["model=llama3_debug", "model.tie_embeddings=true"]).model
+    tied = load_config(["model=llama3_debug", "model.options.tie_embeddings=true"]).model
     assert flops_per_token(tied, s, attention=False) == 6 * num_params(tied) == 6 * 201_280
 
 
@@ -198,10 +216,10 @@ CASES = [
 # A tied output (Llama 3.2 1B and 3B): one tensor for the embedding and the output, on one tp
 # rank and under tp (one DTensor); a copy on the last stage under pp.
 TIED = [
-    ("dp1 tied", ["model.tie_embeddings=true"], EXACT),
-    ("tp2 tied", ["+topology=tp2", "model.tie_embeddings=true"], EXACT),
+    ("dp1 tied", ["model.options.tie_embeddings=true"], EXACT),
+    ("tp2 tied", ["+topology=tp2", "model.options.tie_embeddings=true"], EXACT),
     # Across stages: the last stage's copy of the embedding, its gradient and Adam state.
-    ("pp2 tied", ["+topology=pp2", "model.tie_embeddings=true"], EXACT),
+    ("pp2 tied", ["+topology=pp2", "model.options.tie_embeddings=true"], EXACT),
 ]
 FORWARD = ("dp1", "dp1 bf16", "dp1 b1 s32", "tp2", "tp2 bf16")
 

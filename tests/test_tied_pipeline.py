@@ -10,7 +10,6 @@ read at pp2: tests/test_hf.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -29,7 +28,7 @@ TIED = ("tok_embeddings.weight", "output.weight")
 
 
 def tied_config(**topology) -> Config:
-    model = dataclasses.replace(load_config(["model=llama3_debug"]).model, tie_embeddings=True)
+    model = load_config(["model=llama3_debug", "model.options.tie_embeddings=true"]).model
     cfg = Config(
         model=model,
         data=DataConfig(seq_len=32),

@@ -181,11 +181,11 @@ class TrainWorker:
         return self.trainer.describe()
 
     def save(self, root: str, keep: int, inject: str | None = None) -> dict:
-        """Write a checkpoint (in the background when checkpoint.async_save); `inject`
-        kill_save: this rank dies once its own data is written, mid-save."""
-        if inject not in (None, "kill_save"):
+        """Write a checkpoint (in the background when checkpoint.async_save); `inject`: a
+        fault kind that fires in a save (kill_save): this rank dies once its own data is written."""
+        if inject is not None and not fault.fires_at(inject, "save"):
             raise ValueError(f"fault {inject!r} does not fire in a save")
-        return self._guarded(self.trainer.save_checkpoint, root, keep, inject == "kill_save")
+        return self._guarded(self.trainer.save_checkpoint, root, keep, inject is not None)
 
     def finished_saves(self, wait: bool = True) -> list[dict]:
         """Asynchronous saves finished since the last report; `wait`: for the one in flight."""
@@ -237,16 +237,17 @@ class TrainWorker:
 
     def train(self, steps: int = 1, inject: str | None = None) -> list[dict]:
         """Train `steps` steps, each followed by the held-out loss when eval.every says so;
-        `inject`: a `fault.inject` kind to trigger first (kill, hang, raise)."""
-        if inject == "kill_eval":  # at the start of the evaluation after the step
+        `inject`: a `fault.inject` kind to trigger where it fires: first (kill, hang, raise) or at
+        the start of an evaluation (kill_eval)."""
+        if fault.fires_at(inject, "eval"):
             return self._guarded(lambda: [self._step(inject) for _ in range(steps)])
         return self._guarded(self._injected(inject, lambda: [self._step() for _ in range(steps)]))
 
-    def _step(self, inject: str | None = None) -> dict:
+    def _step(self, eval_fault: str | None = None) -> dict:
         metrics = self.trainer.train_step()  # also the trainer's last_metrics, which the evaluation's add to
         if self.cfg.eval.due(metrics["step"], self.cfg.train.steps):
-            if inject is not None:
-                fault.trigger(inject, metrics["step"])
+            if eval_fault is not None:
+                fault.trigger(eval_fault, metrics["step"])
             start = time.perf_counter()
             metrics["val_loss"] = self.trainer.evaluate()
             metrics["eval_s"] = time.perf_counter() - start

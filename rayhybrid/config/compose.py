@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from rayhybrid.config.schema import Config
+from rayhybrid.config.schema import Config, ModelConfig
 from rayhybrid.errors import ConfigError
 
 CONFIG_NAME = "config"
@@ -62,15 +62,31 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="base_config", node=node)
 
 
-FREE_FORM = ("checkpoint.storage_options.", "model.options.", "model.rope_scaling.")
+FREE_FORM = ("checkpoint.storage_options.", "model.options.")
+
+
+def _family_setting(key: str) -> None:
+    """`model.rope_theta=...`: a setting that is not ModelConfig's is a model family's own, under
+    model.options (rayhybrid/models/<family>/settings.py); say so in one line."""
+    parts = key.lstrip("+~").split(".")
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
+    if len(parts) >= 2 and parts[0] == "model" and parts[1] not in shared:
+        new = "model.options." + ".".join(parts[1:])
+        raise ConfigError(
+            f"model.{parts[1]}",
+            f"is not a setting every model has; a model family's own settings are under model.options: write {new}=...",
+        )
 
 
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     """`topology=dp2` -> `+topology=dp2` (topology is not in the defaults list), and
-    `checkpoint.storage_options.K=V` -> `++...` (free-form keys: added or replaced)."""
+    `checkpoint.storage_options.K=V` -> `++...` (free-form keys: added or replaced). A model
+    family's setting given as `model.K=V` is refused, naming `model.options.K`."""
     out = []
     for item in overrides:
         key = item.split("=", 1)[0]
+        if "=" in item:
+            _family_setting(key)
         if key in OPTIONAL_GROUPS and "=" in item:
             item = "+" + item
         elif (key.startswith(FREE_FORM) or f"{key}." in FREE_FORM) and "=" in item:

@@ -48,10 +48,12 @@ class TopologyConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model: which one (`name`, or `module` for one defined outside rayhybrid) and its shape.
+    """The model: which one (`name`, or `module` for one defined outside rayhybrid), the shape
+    every model family has, and the family's own settings (`options`).
 
-    Shape fields a model does not use must keep their defaults (its spec's validation says so);
-    a model defined outside the package reads its own settings from `options`."""
+    Shape fields a model does not use must keep their defaults (its spec's validation says so).
+    What only one family reads is not a field here: it is a field of that family's settings
+    dataclass (rayhybrid/models/<family>/settings.py), set under `options`."""
 
     name: str = "gpt"
     """A built-in model (see rayhybrid/models/registry.py): gpt or llama3."""
@@ -70,30 +72,17 @@ class ModelConfig:
     """MLP width (Hugging Face's intermediate_size); 0: ffn_mult x d_model."""
     head_dim: int = 0
     """Per-head width; 0: d_model // n_heads. GPT-3 XL uses 24 heads of 128 on d_model 2048."""
-    n_kv_heads: int = 0
-    """Key/value heads (grouped-query attention, llama3); 0: as many as n_heads."""
-    rope_theta: float = 10000.0
-    """Rotary embedding base (llama3)."""
-    rope_scaling: dict[str, Any] = field(default_factory=dict)
-    """Llama 3.1's rotary frequency scaling (llama3; Hugging Face's rope_scaling with
-    rope_type llama3): factor, low_freq_factor, high_freq_factor, original_max_position_embeddings;
-    empty: none."""
     max_positions: int = 0
     """Longest sequence the model was made for (Hugging Face's max_position_embeddings, written
     on export); 0: data.seq_len."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon (llama3)."""
-    tie_embeddings: bool = False
-    """The output projection shares the token embedding's weight (llama3, as in Llama 3.2 1B/3B)."""
     init_from: str = ""
     """Start from a Hugging Face checkpoint: a local directory with config.json and safetensors
     (what save_pretrained writes). Its config.json sets the shape."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Free-form settings of a model defined outside rayhybrid (model.options.K=V)."""
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+    """The model family's own settings, `model.options.K=V` (`model.options.rope_theta=500000`
+    for llama3): the fields of the settings dataclass its spec names
+    (rayhybrid/models/<family>/settings.py), checked by name; free-form for a model.module
+    whose spec names none."""
 
     @property
     def head_width(self) -> int:
@@ -103,11 +92,6 @@ class ModelConfig:
     def attn_dim(self) -> int:
         """Width of the attention projections: n_heads * head_dim."""
         return self.n_heads * self.head_width
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of the key and value projections: n_kv_heads * head_dim."""
-        return self.kv_heads * self.head_width
 
     @property
     def hidden_dim(self) -> int:
@@ -246,17 +230,14 @@ class FaultConfig:
     """A step that makes no progress for this long counts as a failure (a hung worker)."""
     inject: tuple[str, ...] = ()
     """Faults to inject, to rehearse failures: each KIND@STEP or KIND@STEP:RANK, e.g.
-    `fault.inject=[kill@5,hang@9:3]`. KIND: kill (the rank SIGKILLs itself at the start of step
-    STEP), hang (it SIGSTOPs itself; found by fault.step_timeout_s), raise (it raises
-    InjectedFault), kill_save (it SIGKILLs itself in the checkpoint save after step STEP, which
-    must be a checkpoint step, once its own data is written: mid-upload when async), kill_eval
-    (it SIGKILLs itself at the start of the evaluation after step STEP, an eval.every step).
-    STEP: 1-based optimizer step. RANK: the victim; without it, one drawn with
-    fault.inject_seed. Each fires once per run (see rayhybrid/faults/plan.py)."""
+    `fault.inject=[kill@5,hang@9:3]`. KIND: one of rayhybrid/faults/kinds.py's KINDS, which says
+    where each fires and what it does (kill, hang, raise at the start of step STEP; kill_save in
+    its checkpoint save; kill_eval in its evaluation). STEP: 1-based optimizer step. RANK: the
+    victim; without it, one drawn with fault.inject_seed. Each fires once per run."""
     inject_rate: float = 0.0
     """Random faults: the chance in [0, 1] that a step gets one (each step number drawn once)."""
     inject_kinds: tuple[str, ...] = ("kill", "hang", "raise")
-    """Kinds a random fault is drawn from (kill, hang, raise, kill_save)."""
+    """Kinds a random fault is drawn from (rayhybrid/faults/kinds.py's RANDOM_KINDS)."""
     inject_seed: int = 0
     """Seeds the random faults and the ranks drawn for fault.inject entries without a RANK."""
     heal: bool = True

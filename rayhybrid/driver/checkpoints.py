@@ -11,7 +11,6 @@ checkpoint it restores.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -199,7 +198,9 @@ def check_same_model(ckpt: checkpoints.Checkpoint | None, cfg: Config) -> None:
     recorded = (ckpt.meta if ckpt is not None else {}).get("model")
     if not recorded:
         return  # no checkpoint, or one written before checkpoints recorded the model
-    now = dataclasses.asdict(cfg.model)
+    from rayhybrid.models.registry import comparable, comparable_record
+
+    now, recorded = comparable(cfg.model), comparable_record(recorded)
     differ = [
         f"model.{k}={recorded[k]!r} there, {now[k]!r} here"
         for k in now

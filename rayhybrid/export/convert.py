@@ -40,7 +40,7 @@ def export(
     }
     if not ours:
         raise ConfigError("--checkpoint", f"{store.display} holds no model tensors")
-    if model.tie_embeddings:
+    if adapter.tied(model):
         ours.pop("output.weight", None)  # the embedding's tensor; tied models drop lm_head.weight
     try:
         hf_names = {name: adapter.to_hf(name) for name in ours}

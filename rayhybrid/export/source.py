@@ -5,8 +5,6 @@ adapter and sequence length, from the checkpoint's meta.json). Every way they ca
 
 from __future__ import annotations
 
-import dataclasses
-
 from rayhybrid.errors import ConfigError
 from rayhybrid.storage.store import one_line, redact_url
 
@@ -46,8 +44,7 @@ def find_checkpoint(url: str, options: dict):
 
 def model_of(meta: dict, path: str):
     """(ModelConfig, its adapter, seq_len) from a checkpoint's meta.json."""
-    from rayhybrid.config.schema import ModelConfig
-    from rayhybrid.models.registry import get_spec
+    from rayhybrid.models.registry import get_spec, model_from_record
 
     recorded = meta.get("model")
     if not isinstance(recorded, dict):
@@ -56,8 +53,7 @@ def model_of(meta: dict, path: str):
             f"{redact_url(path)}'s meta.json records no model (written by an older rayhybrid); "
             "save a checkpoint with this version first",
         )
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    model = ModelConfig(**{k: v for k, v in recorded.items() if k in known})
+    model = model_from_record(recorded)  # a family's settings an older rayhybrid kept flat too
     spec = get_spec(model)
     if spec.hf is None:
         chosen = f"model.module={model.module}" if model.module else f"model.name={model.name}"

@@ -1,12 +1,9 @@
-"""Fault injection (`fault.inject`, `fault.inject_rate`): the driver's plan of which fault fires
-when and on which rank, its validation, and `trigger`, which runs in the victim rank's process.
-See `plan.py`."""
+"""Fault injection (`fault.inject`, `fault.inject_rate`): the kinds, where each fires and what
+it does (`kinds.py`), and the driver's plan of which fault fires when and on which rank, its
+validation, and `trigger`, which runs in the victim rank's process (`injection.py`)."""
 
-from rayhybrid.faults.plan import (
+from rayhybrid.faults.injection import (
     FORM,
-    KINDS,
-    PHASES,
-    RANDOM_KINDS,
     FaultPlan,
     InjectedFault,
     Injection,
@@ -15,8 +12,10 @@ from rayhybrid.faults.plan import (
     trigger,
     validate_faults,
 )
+from rayhybrid.faults.kinds import FIRES, KINDS, PHASES, RANDOM_KINDS, Kind, fires_at
 
 __all__ = [
+    "FIRES",
     "FORM",
     "KINDS",
     "PHASES",
@@ -24,6 +23,8 @@ __all__ = [
     "FaultPlan",
     "InjectedFault",
     "Injection",
+    "Kind",
+    "fires_at",
     "max_world_size",
     "parse",
     "trigger",

@@ -22,7 +22,11 @@ CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
-_EFFECTIVE = {"head_dim": "head_width", "n_kv_heads": "kv_heads", "ffn_dim": "hidden_dim"}
+_EFFECTIVE = {
+    "head_dim": lambda f: f["head_dim"] or f["d_model"] // f["n_heads"],
+    "ffn_dim": lambda f: f["ffn_dim"] or f["ffn_mult"] * f["d_model"],
+    "n_kv_heads": lambda f: f["n_kv_heads"] or f["n_heads"],  # llama3's LlamaSettings
+}
 """Fields whose 0 means a default: two values agree when the width they give agrees."""
 
 
@@ -41,7 +45,9 @@ class HFAdapter:
         raise NotImplementedError
 
     def config_from_hf(self, hf: dict) -> dict:
-        """ModelConfig fields from config.json; ValueError for what the model cannot represent."""
+        """Settings from config.json, flat: ModelConfig fields and fields of the family's settings
+        dataclass (`ModelSpec.settings`, which go to model.options); ValueError for what the
+        model cannot represent."""
         raise NotImplementedError
 
     def config_to_hf(self, model, seq_len: int) -> dict:
@@ -50,10 +56,15 @@ class HFAdapter:
 
     tied_fallback: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
     """Hugging Face name -> the tensor a tied checkpoint, which lacks it, shares it with: an
-    untied run (`model.tie_embeddings=false` over config.json's true) starts it as a copy."""
+    untied run (`model.options.tie_embeddings=false` over config.json's true) starts it as a copy."""
+
+    def tied(self, model) -> bool:
+        """Whether `model` (a ModelConfig) ties its output to the token embedding (one tensor,
+        written once on export)."""
+        return False
 
     def hf_key(self, field: str) -> str:
-        """The config.json key that sets ModelConfig's `field` (for messages)."""
+        """The config.json key that sets `field`, of ModelConfig or the settings (for messages)."""
         return field
 
     def accepts(self, hf: dict) -> bool:
@@ -142,11 +153,12 @@ def _hint(hf: dict) -> str:
     )
 
 
-_OVERRIDE = re.compile(r"^[+~]*model\.([A-Za-z_]\w*)(?:\.[^=]*)?=")
+_OVERRIDE = re.compile(r"^[+~]*model\.((?:options\.)?[A-Za-z_]\w*)(?:\.[^=]*)?=")
 
 
 def overridden_fields(overrides: Sequence[str]) -> set[str]:
-    """ModelConfig fields the command line sets (`model.n_layers=3`, `++model.rope_scaling.factor=8`)."""
+    """Model settings the command line sets: ModelConfig fields (`model.n_layers=3` ->
+    `n_layers`) and the family's (`++model.options.rope_scaling.factor=8` -> `options.rope_scaling`)."""
     fields = set()
     for item in overrides:
         match = _OVERRIDE.match(str(item))
@@ -155,20 +167,27 @@ def overridden_fields(overrides: Sequence[str]) -> set[str]:
     return fields
 
 
-def _agree(model, field: str, value) -> bool:
-    mine = getattr(model, field)
-    if mine == value:
+def _flat(model) -> dict:
+    """`model`'s shared fields and its family's settings (defaults filled), in one dict."""
+    from rayhybrid.models.registry import settings_of
+
+    settings = settings_of(model)
+    own = dataclasses.asdict(settings) if settings is not None else {}
+    return {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.name != "options"} | own
+
+
+def _agree(mine: dict, field: str, value) -> bool:
+    if mine[field] == value:
         return True
-    prop = _EFFECTIVE.get(field)
-    if prop is None:
-        return False
-    return getattr(dataclasses.replace(model, **{field: value}), prop) == getattr(model, prop)
+    effective = _EFFECTIVE.get(field)
+    return effective is not None and effective({**mine, field: value}) == effective(mine)
 
 
 def resolve_init_from(cfg, overrides: Sequence[str] = ()):
     """`cfg` (a Config) with the shape that `model.init_from`'s config.json gives; unchanged when
-    init_from is not set. `overrides`: the command line's, whose `model.<field>=` settings must
-    agree with config.json (they would otherwise be dropped silently). Raises ConfigError."""
+    init_from is not set. `overrides`: the command line's, whose `model.<field>=` and
+    `model.options.<field>=` settings must agree with config.json (they would otherwise be
+    dropped silently). Raises ConfigError."""
     from rayhybrid.models.registry import get_spec
 
     model = cfg.model
@@ -176,7 +195,8 @@ def resolve_init_from(cfg, overrides: Sequence[str] = ()):
         return cfg
     directory = init_dir(model.init_from)
     hf = read_hf_config(directory)
-    adapter = get_spec(model).hf
+    spec = get_spec(model)
+    adapter = spec.hf
     chosen = f"model.module={model.module}" if model.module else f"model.name={model.name}"
     if adapter is None:
         raise ConfigError(
@@ -193,19 +213,31 @@ def resolve_init_from(cfg, overrides: Sequence[str] = ()):
         fields = adapter.config_from_hf(hf)
     except ValueError as err:
         raise ConfigError("model.init_from", f"{directory}/{CONFIG_JSON}: {err}") from None
-    known = {f.name for f in dataclasses.fields(model)}
-    unknown = sorted(set(fields) - known)
+    shared = {f.name for f in dataclasses.fields(model)} - {"options"}
+    own = {f.name for f in dataclasses.fields(spec.settings)} if spec.settings is not None else set()
+    unknown = sorted(set(fields) - shared - own)
     if unknown:
         raise ConfigError("model.init_from", f"the adapter of {chosen} sets unknown model fields {unknown}")
-    for field in sorted(overridden_fields(overrides) & set(fields)):
-        if field == "tie_embeddings" and fields[field] and not model.tie_embeddings:
+    _check_overrides(fields, _flat(model), overrides, shared, directory, adapter)
+    options = {**model.options, **{k: v for k, v in fields.items() if k in own}}
+    shape = {k: v for k, v in fields.items() if k in shared}
+    return dataclasses.replace(cfg, model=dataclasses.replace(model, init_from=directory, **shape, options=options))
+
+
+def _check_overrides(fields: dict, mine: dict, overrides, shared: set, directory: str, adapter) -> None:
+    """The command line's model settings must agree with config.json's `fields`; an untied run
+    over a tied checkpoint (`model.options.tie_embeddings=false`) unties it (in `fields`)."""
+    given = overridden_fields(overrides)
+    for field in sorted(fields):
+        setting = field if field in shared else f"options.{field}"
+        if setting not in given:
+            continue
+        if field == "tie_embeddings" and fields[field] and not mine[field]:
             fields[field] = False  # untie: the output starts as a copy of the embedding
             continue
-        if not _agree(model, field, fields[field]):
-            key = adapter.hf_key(field)
+        if not _agree(mine, field, fields[field]):
             raise ConfigError(
-                f"model.{field}",
-                f"{getattr(model, field)!r} contradicts config.json's {key}={json.dumps(fields[field])} in "
+                f"model.{setting}",
+                f"{mine[field]!r} contradicts config.json's {adapter.hf_key(field)}={json.dumps(fields[field])} in "
                 f"{directory}; remove the override",
             )
-    return dataclasses.replace(cfg, model=dataclasses.replace(model, init_from=directory, **fields))

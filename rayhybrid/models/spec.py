@@ -27,6 +27,9 @@ Contract of the pieces (docs/models.md says it for users):
 - `memory`: the planner's memory model (`MemoryModel`), or None (the plan then reports no
   memory figures for the model).
 - `hf`: the Hugging Face adapter (`rayhybrid.models.hf.HFAdapter`) or None.
+- `settings`: the family's own settings, a frozen dataclass without torch whose fields are read
+  from `model.options` (`rayhybrid.models.settings`; llama3's `LlamaSettings`); None: the
+  family reads `model.options` itself (free-form).
 """
 
 from __future__ import annotations
@@ -119,6 +122,9 @@ class ModelSpec:
     memory: MemoryModel | None = None
     hf: Any = None
     description: str = ""
+    settings: type | None = None
+    """The family's settings dataclass, built from `model.options` by `registry.settings_of`
+    (unknown keys and wrong types refused by name); None: `model.options` is free-form."""
     loss: Callable[[Any, Any], Any] | None = None
     """The family's own training loss, `loss(logits, targets) -> the SUM over the micro-batch's
     tokens` (a 0-d tensor; the trainer divides by the replica's token count, so micro-batch

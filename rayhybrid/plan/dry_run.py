@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout, Topology
-from rayhybrid.models.registry import BUILTIN
+from rayhybrid.models.registry import BUILTIN, settings_of
 from rayhybrid.plan import estimate as est
 from rayhybrid.plan.peak_memory import rank_memory
 
@@ -106,6 +106,7 @@ def _flops(cfg: Config, world_size: int) -> dict:
 def _config_section(cfg: Config, world_size: int, num_stages: int) -> dict:
     """The plan's "config": the settings it was made for."""
     t, tr, model = cfg.topology, cfg.train, cfg.model
+    own = settings_of(model)  # the family's own settings (llama3's key/value heads, tied output)
     return {
         "dp": t.dp,
         "pp": t.pp,
@@ -121,11 +122,11 @@ def _config_section(cfg: Config, world_size: int, num_stages: int) -> dict:
         "n_layers": model.n_layers,
         "d_model": model.d_model,
         "n_heads": model.n_heads,
-        "n_kv_heads": model.kv_heads,
+        "n_kv_heads": getattr(own, "n_kv_heads", 0) or model.n_heads,
         "head_dim": model.head_width,
         "attn_dim": model.attn_dim,
         "ffn_dim": model.hidden_dim,
-        "tie_embeddings": model.tie_embeddings,
+        "tie_embeddings": getattr(own, "tie_embeddings", False),
         "vocab_size": model.vocab_size,
         "seq_len": cfg.data.seq_len,
         "global_batch_size": tr.global_batch_size,

@@ -60,7 +60,7 @@ def load_pretrained(trainer) -> dict:
     copies = {
         name: source
         for name, source in adapter.tied_fallback.items()
-        if name not in stored and source in stored and not cfg.model.tie_embeddings
+        if name not in stored and source in stored and not adapter.tied(cfg.model)
     }
     first = {k: v for k, v in request.items() if k not in copies}
     dcp.load(first, storage_reader=HuggingFaceStorageReader(directory), process_group=group)

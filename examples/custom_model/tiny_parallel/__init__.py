@@ -28,7 +28,7 @@ from rayhybrid.models.spec import ModelSpec
 OPTIONS = {"activation": "gelu", "init_std": 0.02}
 """model.options this model reads, with their defaults."""
 ACTIVATIONS = ("gelu", "relu", "silu")
-UNUSED_FIELDS = ("head_dim", "n_kv_heads", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "init_from")
+UNUSED_FIELDS = ("head_dim", "init_from")
 """ModelConfig fields this model does not read: they must keep their defaults."""
 
 
@@ -68,7 +68,7 @@ def validate(cfg) -> None:
     """One-line ConfigErrors naming the setting and the fix."""
     m, tp = cfg.model, cfg.topology.tp
     defaults = {f.name: f.default for f in fields(ModelConfig)}
-    same = {"n_kv_heads": m.n_heads, "head_dim": m.d_model // max(m.n_heads, 1), "rope_scaling": {}}
+    same = {"head_dim": m.d_model // max(m.n_heads, 1)}
     for name in UNUSED_FIELDS:  # a preset may spell out what this model does anyway
         value = getattr(m, name)
         if value != defaults[name] and value != same.get(name):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rayhybrid.models.gpt.counts import flops_per_token, num_params
 from rayhybrid.models.gpt.memory import MEMORY
+from rayhybrid.models.settings import NoSettings
 from rayhybrid.models.spec import ModelSpec
 
 
@@ -24,10 +25,9 @@ def parallelize(stage, **kwargs):
 
 
 def validate(cfg) -> None:
-    from rayhybrid.models.common import no_llama_fields, validate_attention
+    from rayhybrid.models.common import validate_attention
 
-    validate_attention(cfg, kv_heads=False)
-    no_llama_fields(cfg, "gpt")
+    validate_attention(cfg)
 
 
 SPEC = ModelSpec(
@@ -38,5 +38,6 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     validate=validate,
     memory=MEMORY,
+    settings=NoSettings,
     description="GPT-2/3 style decoder: learned positions, LayerNorm, GELU MLP, untied output",
 )

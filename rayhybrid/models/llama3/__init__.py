@@ -11,9 +11,8 @@ from rayhybrid.errors import ConfigError
 from rayhybrid.models.llama3.counts import flops_per_token, num_params
 from rayhybrid.models.llama3.hf import HF
 from rayhybrid.models.llama3.memory import MEMORY
+from rayhybrid.models.llama3.settings import ROPE_SCALING_KEYS, LlamaSettings, kv_heads, settings
 from rayhybrid.models.spec import ModelSpec
-
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def build_stage(model, *, seq_len: int, layer_ids, first: bool, last: bool):
@@ -31,24 +30,26 @@ def parallelize(stage, **kwargs):
 def validate(cfg) -> None:
     from rayhybrid.models.common import validate_attention
 
-    m = cfg.model
-    validate_attention(cfg, kv_heads=True)
+    m, s = cfg.model, settings(cfg.model)
+    if s.n_kv_heads < 0:
+        raise ConfigError("model.options.n_kv_heads", f"must not be negative, got {s.n_kv_heads}; 0 means n_heads")
+    validate_attention(cfg, kv_heads=kv_heads(m, s))
     if m.head_width % 2:
         raise ConfigError("model.head_dim", f"rotary embeddings need an even head width, got {m.head_width}")
-    if m.rope_theta <= 0:
-        raise ConfigError("model.rope_theta", f"must be positive, got {m.rope_theta}")
-    if m.norm_eps <= 0:
-        raise ConfigError("model.norm_eps", f"must be positive, got {m.norm_eps}")
-    if m.rope_scaling:
-        unknown = sorted(set(m.rope_scaling) - set(ROPE_SCALING_KEYS) - {"rope_type"})
-        if unknown or "factor" not in m.rope_scaling:
+    if s.rope_theta <= 0:
+        raise ConfigError("model.options.rope_theta", f"must be positive, got {s.rope_theta}")
+    if s.norm_eps <= 0:
+        raise ConfigError("model.options.norm_eps", f"must be positive, got {s.norm_eps}")
+    if s.rope_scaling:
+        unknown = sorted(set(s.rope_scaling) - set(ROPE_SCALING_KEYS) - {"rope_type"})
+        if unknown or "factor" not in s.rope_scaling:
             raise ConfigError(
-                "model.rope_scaling",
-                f"Llama 3.1 scaling takes {', '.join(ROPE_SCALING_KEYS)} (factor required); got {dict(m.rope_scaling)}",
+                "model.options.rope_scaling",
+                f"Llama 3.1 scaling takes {', '.join(ROPE_SCALING_KEYS)} (factor required); got {dict(s.rope_scaling)}",
             )
-        if m.rope_scaling.get("rope_type", "llama3") != "llama3":
+        if s.rope_scaling.get("rope_type", "llama3") != "llama3":
             raise ConfigError(
-                "model.rope_scaling", f"rope_type {m.rope_scaling['rope_type']!r} is not supported; only llama3"
+                "model.options.rope_scaling", f"rope_type {s.rope_scaling['rope_type']!r} is not supported; only llama3"
             )
 
 
@@ -61,5 +62,6 @@ SPEC = ModelSpec(
     validate=validate,
     memory=MEMORY,
     hf=HF,
+    settings=LlamaSettings,
     description="Llama 3: RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU",
 )

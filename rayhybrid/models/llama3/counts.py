@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from rayhybrid.models.llama3.settings import kv_dim, settings
+
 
 def num_params(cfg, max_seq_len: int = 0) -> int:
     """Parameters of the whole model: token embedding, per layer q/k/v/o (k and v n_kv_heads
     wide), the SwiGLU MLP's three matrices and two RMSNorms, the final norm, and the output
     projection unless it is tied to the embedding. (Rotary embeddings have no parameters, so
     `max_seq_len` does not count.)"""
-    d, a, kv, h, v = cfg.d_model, cfg.attn_dim, cfg.kv_dim, cfg.hidden_dim, cfg.vocab_size
+    s = settings(cfg)
+    d, a, kv, h, v = cfg.d_model, cfg.attn_dim, kv_dim(cfg, s), cfg.hidden_dim, cfg.vocab_size
     per_layer = 2 * d * a + 2 * d * kv + 3 * d * h + 2 * d
-    output = 0 if cfg.tie_embeddings else v * d
+    output = 0 if s.tie_embeddings else v * d
     return v * d + cfg.n_layers * per_layer + d + output
 
 
@@ -21,5 +24,5 @@ def flops_per_token(cfg, seq_len: int, attention: bool = True) -> float:
     the scores and their weighted sum (grouped-query attention shares K and V between heads but
     computes as many scores as heads, causal mask ignored)."""
     n = num_params(cfg, seq_len)
-    dense = n if cfg.tie_embeddings else n - cfg.vocab_size * cfg.d_model
+    dense = n if settings(cfg).tie_embeddings else n - cfg.vocab_size * cfg.d_model
     return 6.0 * dense + (12.0 * cfg.n_layers * seq_len * cfg.attn_dim if attention else 0.0)

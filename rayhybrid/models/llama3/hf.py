@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from rayhybrid.models.hf import HFAdapter
+from rayhybrid.models.llama3.settings import kv_heads, settings
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -31,7 +32,7 @@ _TOP_BACK = {v: k for k, v in _TOP.items()}
 _OURS = re.compile(r"layers\.(\d+)\.(.+)")
 _THEIRS = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
-# config.json key -> ModelConfig field
+# config.json key -> ModelConfig field, or LlamaSettings field (n_kv_heads, norm_eps, tie_embeddings)
 _FIELDS = {
     "num_hidden_layers": "n_layers",
     "hidden_size": "d_model",
@@ -61,7 +62,7 @@ HF_DEFAULTS = {
 
 
 _KEY_OF = {field: key for key, field in _FIELDS.items()} | {"rope_theta": "rope_theta", "rope_scaling": "rope_scaling"}
-"""ModelConfig field -> the config.json key that sets it."""
+"""ModelConfig or LlamaSettings field -> the config.json key that sets it."""
 
 
 class LlamaHF(HFAdapter):
@@ -88,8 +89,11 @@ class LlamaHF(HFAdapter):
         rest = _LAYER_BACK.get(match.group(2))
         return None if rest is None else f"layers.{match.group(1)}.{rest}"
 
+    def tied(self, model) -> bool:
+        return settings(model).tie_embeddings
+
     def config_from_hf(self, hf: dict) -> dict:
-        """ModelConfig fields from a config.json (transformers 4.x or 5.x layout); a key it leaves
+        """ModelConfig and LlamaSettings fields (flat) from a config.json (transformers 4.x or 5.x layout); a key it leaves
         out means transformers' default, as it would for LlamaForCausalLM."""
         hf = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
         hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
@@ -120,9 +124,10 @@ class LlamaHF(HFAdapter):
         return out
 
     def config_to_hf(self, model, seq_len: int) -> dict:
-        rope = {"rope_type": "default", "rope_theta": float(model.rope_theta)}
-        if model.rope_scaling:
-            rope = {"rope_type": "llama3", "rope_theta": float(model.rope_theta), **dict(model.rope_scaling)}
+        s = settings(model)
+        rope = {"rope_type": "default", "rope_theta": float(s.rope_theta)}
+        if s.rope_scaling:
+            rope = {"rope_type": "llama3", "rope_theta": float(s.rope_theta), **dict(s.rope_scaling)}
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -131,13 +136,13 @@ class LlamaHF(HFAdapter):
             "intermediate_size": model.hidden_dim,
             "num_hidden_layers": model.n_layers,
             "num_attention_heads": model.n_heads,
-            "num_key_value_heads": model.kv_heads,
+            "num_key_value_heads": kv_heads(model, s),
             "head_dim": model.head_width,
             "hidden_act": "silu",
             "max_position_embeddings": model.max_positions or seq_len,
-            "rms_norm_eps": float(model.norm_eps),
+            "rms_norm_eps": float(s.norm_eps),
             "rope_parameters": rope,
-            "tie_word_embeddings": bool(model.tie_embeddings),
+            "tie_word_embeddings": bool(s.tie_embeddings),
             "attention_bias": False,
             "mlp_bias": False,
             "attention_dropout": 0.0,

@@ -28,6 +28,7 @@ width (n_kv_heads x head_dim), h MLP width, H heads, V vocabulary, t tp, b micro
 
 from __future__ import annotations
 
+from rayhybrid.models.llama3.settings import kv_dim, settings
 from rayhybrid.models.spec import ParamTensor, ceil_div
 
 FLOAT = 4  # float32: the residual stream, the RMSNorms, the log-sum-exp, the loss
@@ -43,10 +44,11 @@ class LlamaMemory:
         rows); the RMSNorm weights replicated. Rotary embeddings have no parameters. A tied
         output (stage with both ends) is the token embedding itself: one tensor, read by a
         linear layer (autocast keeps a bfloat16 copy of it)."""
-        d, a, k, h, v = model.d_model, model.attn_dim, model.kv_dim, model.hidden_dim, model.vocab_size
+        s = settings(model)
+        d, a, k, h, v = model.d_model, model.attn_dim, kv_dim(model, s), model.hidden_dim, model.vocab_size
         out: list[ParamTensor] = []
         if first:
-            out.append(ParamTensor("tok_embeddings.weight", (v, d), 0, model.tie_embeddings and last))
+            out.append(ParamTensor("tok_embeddings.weight", (v, d), 0, s.tie_embeddings and last))
         for i in layers:
             p = f"layers.{i}."
             out += [
@@ -62,7 +64,7 @@ class LlamaMemory:
             ]
         if last:
             out.append(ParamTensor("norm.weight", (d,), None))
-            if not (model.tie_embeddings and first):
+            if not (s.tie_embeddings and first):
                 out.append(ParamTensor("output.weight", (v, d), 0, True))
         return out
 
@@ -87,7 +89,7 @@ class LlamaMemory:
         this returns their share per sample, ceil(pair / b), and b x block_bytes is the
         micro-batch's exact count."""
         m, s, t = cfg.model, cfg.data.seq_len, tp
-        d, a, k, h = m.d_model, m.attn_dim, m.kv_dim, m.hidden_dim
+        d, a, k, h = m.d_model, m.attn_dim, kv_dim(m), m.hidden_dim
         sharded = ceil_div(2 * s * a + 2 * s * k + 4 * s * h, t)
         lse = ceil_div(m.n_heads, t) * s
         act = BF16 if dtype == "bfloat16" else FLOAT
@@ -145,7 +147,7 @@ class LlamaMemory:
         bfloat16 less exact (-3.5% to +4.3% on ZB-V and interleaved ZB)."""
         m, s = cfg.model, cfg.data.seq_len
         act = BF16 if cfg.train.dtype == "bfloat16" else FLOAT
-        linear = act * s * (ceil_div(m.attn_dim + 2 * m.kv_dim + 2 * m.hidden_dim, tp) + 2 * m.d_model)
+        linear = act * s * (ceil_div(m.attn_dim + 2 * kv_dim(m) + 2 * m.hidden_dim, tp) + 2 * m.d_model)
         return linear + FLOAT * s * 2 * m.d_model
 
 

@@ -19,14 +19,15 @@ from torch import nn
 
 from rayhybrid.config.schema import ModelConfig
 from rayhybrid.models.layers import CheckpointedBlock, init_by_name
+from rayhybrid.models.llama3.settings import LlamaSettings, kv_dim, settings
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+def inverse_frequencies(cfg: ModelConfig, s: LlamaSettings) -> torch.Tensor:
     """RoPE's inverse frequencies, float32, as Hugging Face computes them (default, or Llama
     3.1's `rope_type: llama3` scaling of the low frequencies)."""
     dim = cfg.head_width
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
+    inv = 1.0 / (s.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = s.rope_scaling
     if not scaling:
         return inv
     factor = float(scaling["factor"])
@@ -41,9 +42,11 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope(seq_len: int, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    seq_len: int, cfg: ModelConfig, s: LlamaSettings, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, (seq, head_dim), for positions 0..seq_len-1 (computed in float32)."""
-    inv = inverse_frequencies(cfg).to(device)
+    inv = inverse_frequencies(cfg, s).to(device)
     freqs = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -55,14 +58,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, s: LlamaSettings) -> None:
         super().__init__()
         d = cfg.d_model
-        self.cfg = cfg
+        self.cfg, self.settings = cfg, s
         self.head_dim = cfg.head_width
         self.wq = nn.Linear(d, cfg.attn_dim, bias=False)
-        self.wk = nn.Linear(d, cfg.kv_dim, bias=False)
-        self.wv = nn.Linear(d, cfg.kv_dim, bias=False)
+        self.wk = nn.Linear(d, kv_dim(cfg, s), bias=False)
+        self.wv = nn.Linear(d, kv_dim(cfg, s), bias=False)
         self.wo = nn.Linear(cfg.attn_dim, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +74,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope(seq, self.cfg, x.device, q.dtype)
+        cos, sin = rope(seq, self.cfg, self.settings, x.device, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -97,11 +100,11 @@ def RMSNorm(dim: int, eps: float) -> nn.RMSNorm:
 
 
 class Block(CheckpointedBlock):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, s: LlamaSettings) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.d_model, eps=s.norm_eps)
+        self.attention = Attention(cfg, s)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=s.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
     def block_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,12 +125,13 @@ class Llama(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.settings = s = settings(cfg)
         ids = range(cfg.n_layers) if layer_ids is None else layer_ids
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model) if first else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in ids})
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps) if last else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, s) for i in ids})
+        self.norm = RMSNorm(cfg.d_model, eps=s.norm_eps) if last else None
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if last else None
-        if cfg.tie_embeddings and first and last:
+        if s.tie_embeddings and first and last:
             self.tie()
 
     def tie(self) -> None:
@@ -141,7 +145,7 @@ class Llama(nn.Module):
         of it, as in Megatron: it starts equal and the trainer sums the two copies' gradients
         every step (rayhybrid/parallel/tied.py); on a stage with both it is the embedding's own
         tensor (`tie`)."""
-        return {"output.weight": "tok_embeddings.weight"} if self.cfg.tie_embeddings else {}
+        return {"output.weight": "tok_embeddings.weight"} if self.settings.tie_embeddings else {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:

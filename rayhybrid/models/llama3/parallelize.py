@@ -58,7 +58,7 @@ def parallelize_llama(
     loss_parallel: bool,
     reshard_after_forward: bool = True,
 ) -> Llama:
-    tied = model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None
+    tied = model.settings.tie_embeddings and model.tok_embeddings is not None and model.output is not None
     if tp_mesh is not None and tp_mesh.size() > 1:
         parallelize_module(model, tp_mesh, tp_plan(model, loss_parallel=loss_parallel))
         if tied:

@@ -1,9 +1,10 @@
-"""Built-in fault injection (`fault.inject`, `fault.inject_rate`): rehearse failures before a long job.
+"""Fault injection (`fault.inject`, `fault.inject_rate`): rehearse failures before a long job.
 
 The driver owns one `FaultPlan` per run and asks it, at the start of every step and before every
 checkpoint save, whether a fault is due and on which rank; the victim rank's worker then calls
-`trigger`, which kills, stops or fails its own process. Everything here is pure (no Ray, no
-torch) except `trigger`, which signals the calling process.
+`trigger` where the kind fires (rayhybrid/faults/kinds.py says where and what), which kills,
+stops or fails its own process. Everything here is pure (no Ray, no torch) except `trigger`,
+which signals the calling process.
 
     fault.inject=[kill@5,hang@9:3,raise@12,kill_save@6]    # planned faults
     fault.inject_rate=0.01 fault.inject_seed=7             # random faults, ~1 step in 100
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 from rayhybrid.config.schema import with_dp
 from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError
+from rayhybrid.faults.kinds import KINDS, PHASES, random_kinds
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -30,23 +32,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KINDS = ("kill", "hang", "raise", "kill_save", "kill_eval")
-"""kill: SIGKILL at the start of the step; hang: SIGSTOP there; raise: `InjectedFault` there;
-kill_save: SIGKILL during the checkpoint save after the step, once the rank's own data is
-written (mid-upload when saves are asynchronous); kill_eval: SIGKILL at the start of the
-held-out evaluation after the step (planned only, at a step eval.every evaluates)."""
-RANDOM_KINDS = ("kill", "hang", "raise", "kill_save")
-PHASES = ("step", "save")
 FORM = "KIND@STEP or KIND@STEP:RANK, e.g. kill@5 or hang@9:3"
 _PATTERN = re.compile(r"(?P<kind>\w+)@(?P<step>-?\d+)(?::(?P<rank>\d+))?")
 
 
 @dataclass(frozen=True)
 class Injection:
-    """One fault: `kind` fires in `step` (its save, for kill_save) on `rank`."""
+    """One fault: `kind` fires in `step` (its evaluation or its save, as KINDS says) on `rank`."""
 
     kind: str
-    """One of KINDS."""
+    """A key of KINDS."""
     step: int
     """The 1-based optimizer step it belongs to."""
     rank: int | None = None
@@ -54,8 +49,8 @@ class Injection:
 
     @property
     def phase(self) -> str:
-        """Where it fires: in the checkpoint save after the step ("save", kill_save) or at its start ("step")."""
-        return "save" if self.kind == "kill_save" else "step"
+        """The driver's call that carries it: the checkpoint save's ("save") or the step's ("step")."""
+        return KINDS[self.kind].phase
 
     def record(self) -> dict:
         """The metrics.jsonl event for this fault."""
@@ -127,17 +122,18 @@ def _validate_random(cfg: Config) -> None:
             "fault.inject_rate",
             f"must be in [0, 1], got {rate}; e.g. fault.inject_rate=0.01 (a fault every ~100 steps)",
         )
-    kinds = _entries(cfg.fault.inject_kinds)
+    kinds, allowed = _entries(cfg.fault.inject_kinds), random_kinds()
     for kind in kinds:
-        if kind not in RANDOM_KINDS:
-            raise ConfigError("fault.inject_kinds", f"unknown kind {kind!r}; choose from: {', '.join(RANDOM_KINDS)}")
+        if kind not in allowed:
+            raise ConfigError("fault.inject_kinds", f"unknown kind {kind!r}; choose from: {', '.join(allowed)}")
     if rate > 0 and not kinds:
         raise ConfigError(
-            "fault.inject_kinds", f"is empty but fault.inject_rate={rate}; list kinds, e.g. [{', '.join(KINDS[:3])}]"
+            "fault.inject_kinds", f"is empty but fault.inject_rate={rate}; list kinds, e.g. [{', '.join(allowed[:3])}]"
         )
-    if rate > 0 and "kill_save" in kinds and cfg.checkpoint.every == 0:
+    saves = [kind for kind in kinds if KINDS[kind].fires == "save"]
+    if rate > 0 and saves and cfg.checkpoint.every == 0:
         raise ConfigError(
-            "fault.inject_kinds", "kill_save needs checkpoint saves but checkpoint.every=0; set checkpoint.every>0"
+            "fault.inject_kinds", f"{saves[0]} needs checkpoint saves but checkpoint.every=0; set checkpoint.every>0"
         )
 
 
@@ -147,14 +143,15 @@ def _validate_injection(cfg: Config, injection: Injection, text: str) -> None:
         raise ConfigError(
             "fault.inject", f"{text!r}: step {injection.step} is out of range; use a step in 1..{steps} (train.steps)"
         )
-    if injection.kind == "kill_save" and not cfg.checkpoint.due(injection.step, steps):
+    fires = KINDS[injection.kind].fires
+    if fires == "save" and not cfg.checkpoint.due(injection.step, steps):
         fix = (
             "set checkpoint.every>0 (checkpoint.every=0 never saves)"
             if every == 0
             else f"use a multiple of checkpoint.every={every} or the last step {steps}"
         )
         raise ConfigError("fault.inject", f"{text!r}: step {injection.step} is not a checkpoint step; {fix}")
-    if injection.kind == "kill_eval" and not cfg.eval.due(injection.step, steps):
+    if fires == "eval" and not cfg.eval.due(injection.step, steps):
         raise ConfigError(
             "fault.inject",
             f"{text!r}: no evaluation after step {injection.step}; use a multiple of eval.every={cfg.eval.every} "
@@ -184,10 +181,8 @@ class FaultPlan:
         self._planned = {(i.step, i.phase): i for i in map(parse, _entries(fault_cfg.inject))}
         self._rate = float(fault_cfg.inject_rate)
         kinds = tuple(dict.fromkeys(_entries(fault_cfg.inject_kinds)))
-        self._kinds = {
-            "step": tuple(k for k in kinds if k != "kill_save"),
-            "save": tuple(k for k in kinds if k == "kill_save"),
-        }
+        phase_of = {name: kind.phase for name, kind in KINDS.items()}
+        self._kinds = {phase: tuple(k for k in kinds if phase_of.get(k, "step") == phase) for phase in PHASES}
         self._seed = (int(fault_cfg.inject_seed), int(seed_offset))
         self._done: set[tuple[int, str]] = set()
 
@@ -221,15 +216,18 @@ class FaultPlan:
         return random.Random(f"rayhybrid.fault:{seed}:{offset}:{step}:{phase}")
 
 
+_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+"""A kind's effect -> the signal the victim sends itself."""
+
+
 def trigger(kind: str, step: int) -> None:
-    """Worker side, in the victim rank's process: kill and kill_save SIGKILL it, hang SIGSTOPs it
-    (a hang for fault.step_timeout_s to find), raise raises `InjectedFault`."""
-    log.warning("injecting fault %s@%d in pid %d (fault.inject)", kind, step, os.getpid())
-    if kind in ("kill", "kill_save", "kill_eval"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "hang":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    elif kind == "raise":
-        raise InjectedFault(kind, step)
-    else:
+    """Worker side, in the victim rank's process, where KINDS says `kind` fires: its effect, a
+    SIGKILL (kill, kill_save, kill_eval), a SIGSTOP (hang, for fault.step_timeout_s to find) or
+    `InjectedFault` (raise)."""
+    if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r}; one of: {', '.join(KINDS)}")
+    log.warning("injecting fault %s@%d in pid %d (fault.inject)", kind, step, os.getpid())
+    effect = KINDS[kind].effect
+    if effect == "raise":
+        raise InjectedFault(kind, step)
+    os.kill(os.getpid(), _SIGNALS[effect])
