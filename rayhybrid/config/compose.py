@@ -62,7 +62,7 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="base_config", node=node)
 
 
-FREE_FORM = ("checkpoint.storage_options.", "model.options.", "model.rope_scaling.")
+FREE_FORM = ("checkpoint.storage_options.", "data.storage_options.", "model.options.", "model.rope_scaling.")
 
 
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:

@@ -14,7 +14,7 @@ import os
 
 from rayhybrid.config.schema import Config
 from rayhybrid.data.packing import BLOCK, Part, mixture_entries, training_documents
-from rayhybrid.data.prepared import PreparedDataset, read_index
+from rayhybrid.data.prepared import PreparedDataset, open_prepared
 from rayhybrid.errors import ConfigError
 
 
@@ -61,7 +61,7 @@ def _datasets(cfg: Config) -> list[tuple[str, PreparedDataset]]:
                 setting.replace(".path", ".weight"),
                 f"weight {weight:g} must be positive and at least 1/{BLOCK} of the total {total:g}; raise it or drop it",
             )
-        out.append((setting, PreparedDataset(read_index(url, setting=setting))))
+        out.append((setting, open_prepared(url, d.storage_options, setting)))
     return out
 
 
@@ -122,7 +122,7 @@ def _held_out(cfg: Config, datasets: list[tuple[str, PreparedDataset]]) -> None:
     """Evaluation reads data.val_path, else the documents each dataset held out."""
     d = cfg.data
     if d.val_path:
-        ds = PreparedDataset(read_index(d.val_path, setting="data.val_path"))
+        ds = open_prepared(d.val_path, d.storage_options, "data.val_path")
         _tokenizer_fits(cfg, "data.val_path", ds)
         _holds_window("data.val_path", d.val_path, ds.num_tokens, d.seq_len, "held out")
         return

@@ -59,7 +59,7 @@ class PreparedStream(SampleStream):
         """Evaluation's stream (seeded apart with streams.HELD_OUT): data.val_path's documents,
         else every dataset's held-out ones, mixed with the same weights."""
         if cfg.val_path:
-            part = Part(open_prepared(cfg.val_path), None, cfg.seq_len)
+            part = Part(open_prepared(cfg.val_path, cfg.storage_options, "data.val_path"), None, cfg.seq_len)
             return cls([part], [cfg.val_path], [1.0], cfg, (seed, HELD_OUT))
         return cls._mixed(cfg, (seed, HELD_OUT), lambda ds: ds.held_out)
 
@@ -67,7 +67,7 @@ class PreparedStream(SampleStream):
     def _mixed(cls, cfg: DataConfig, key: tuple, documents) -> PreparedStream:
         """data.mix (or data.path alone), each dataset's `documents(dataset)` packed."""
         entries = mixture_entries(cfg)
-        datasets = [open_prepared(url) for _, url, _ in entries]
+        datasets = [open_prepared(url, cfg.storage_options, setting) for setting, url, _ in entries]
         parts = [Part(ds, documents(ds), cfg.seq_len) for ds in datasets]
         return cls(parts, [url for _, url, _ in entries], [w for _, _, w in entries], cfg, key)
 
