@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from rayhybrid.driver.controller import check_same_model
 from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import BUILTIN, get_spec
 from rayhybrid.models.spec import ModelSpec
 from rayhybrid.preflight import load_config
-from rayhybrid.storage.checkpoints import Checkpoint
+from rayhybrid.storage.checkpoints import Checkpoint, check_fits
 
 ROOT = Path(__file__).resolve().parents[1] / "rayhybrid"
 
@@ -53,16 +52,16 @@ def _ckpt(model: dict) -> Checkpoint:
 def test_resuming_another_model_is_a_config_error():
     cfg = load_config(["model=llama3_debug"])
     recorded = dataclasses.asdict(cfg.model)
-    check_same_model(_ckpt(recorded), cfg)  # the same model: fine
-    check_same_model(_ckpt({**recorded, "flavor": "x", "init_from": "/hf"}), cfg)  # names only: fine
-    check_same_model(None, cfg)
-    check_same_model(Checkpoint("/old/step_1", {"step": 1}), cfg)  # written before models were recorded
+    check_fits(_ckpt(recorded), cfg)  # the same model: fine
+    check_fits(_ckpt({**recorded, "flavor": "x", "init_from": "/hf"}), cfg)  # names only: fine
+    check_fits(None, cfg)
+    check_fits(Checkpoint("/old/step_1", {"step": 1}), cfg)  # written before models were recorded
     with pytest.raises(ConfigError) as err:
-        check_same_model(_ckpt({**recorded, "n_kv_heads": 4}), cfg)
+        check_fits(_ckpt({**recorded, "n_kv_heads": 4}), cfg)
     assert err.value.setting == "checkpoint.dir" and "model.n_kv_heads=4 there, 2 here" in str(err.value)
     gpt = dataclasses.asdict(load_config([]).model)
     with pytest.raises(ConfigError, match="model.name='gpt' there, 'llama3' here"):
-        check_same_model(_ckpt(gpt), cfg)
+        check_fits(_ckpt(gpt), cfg)
 
 
 def test_hf_config_keys_left_out_mean_transformers_defaults():

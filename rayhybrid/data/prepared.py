@@ -125,6 +125,12 @@ def read_index(url: str, options: dict | None = None, setting: str = "data.path"
         ) from None
     except (OSError, ValueError) as err:
         raise ConfigError(setting, f"cannot read {shown}/{INDEX}: {one_line(err)}") from None
+    except Exception as err:  # noqa: BLE001 - a store client's own error (no credentials, access denied)
+        raise ConfigError(
+            setting,
+            f"cannot read {shown}/{INDEX}: {one_line(err)}; check the credentials and the endpoint "
+            "(data.storage_options, or the store's environment variables such as AWS_*)",
+        ) from None
     try:
         return Index.parse(url, text)
     except (ValueError, KeyError, TypeError) as err:

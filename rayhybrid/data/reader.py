@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from rayhybrid.config.schema import DataConfig
-from rayhybrid.data.packing import ORDER, Mixture, Part, mixture_entries, training_documents
+from rayhybrid.data.identity import prepared_identity
+from rayhybrid.data.packing import Mixture, Part, mixture_entries, training_documents
 from rayhybrid.data.prepared import INDEX, PreparedDataset, open_prepared
 from rayhybrid.data.streams import HELD_OUT, SampleStream
 
@@ -72,12 +73,7 @@ class PreparedStream(SampleStream):
         return cls(parts, [url for _, url, _ in entries], [w for _, _, w in entries], cfg, key)
 
     def identity(self) -> dict:
-        return {
-            "kind": "prepared",
-            "datasets": [p.dataset.index.fingerprint for p in self.parts],
-            "weights": [round(float(w), 12) for w in self.mixture.weights],
-            "order": ORDER,  # which window each sample reads (packing.shuffled)
-        }
+        return prepared_identity([p.dataset.index.fingerprint for p in self.parts], self.mixture.weights)
 
     def locate(self, i: int) -> tuple[int, int, int]:
         """(dataset, epoch, first token in its part) of sample i."""

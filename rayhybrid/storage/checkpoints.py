@@ -11,18 +11,25 @@ marker: `meta.json`, written last, by rank 0, once DCP's `.metadata` says every 
 complete (one PUT: an object is either absent or whole). It records the trainer state (step,
 consumed_samples, topology, ...) and the size of every file, so a truncated or partly deleted
 checkpoint is detected without reading it. Readers take only committed steps; an uncommitted
-directory is never loaded, and the next commit deletes it (`retain`).
+directory is never loaded, and the next commit deletes it (`retain`). Whether a checkpoint fits
+a run (its model, global batch and data) is `check_fits`, asked once, by the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rayhybrid.storage.store import Store
+from rayhybrid.errors import ConfigError
+from rayhybrid.storage.store import Store, redact_url
+
+if TYPE_CHECKING:
+    from rayhybrid.config.schema import Config
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +205,68 @@ def retain(store: Store, keep: int, keep_best: bool = False) -> list[str]:
         except FileNotFoundError:
             pass
     return gone
+
+
+# -- does this checkpoint fit this run? ----------------------------------------------------------
+
+IGNORED_MODEL_FIELDS = ("flavor", "init_from")
+"""Settings that do not change what a checkpoint holds: a run resumed from its own checkpoint
+may drop init_from (the checkpoint has the weights now) or come from another preset name."""
+RESUME_FIX = "or train into a new checkpoint.dir"
+
+
+def check_fits(ckpt: Checkpoint | None, cfg: Config, data: dict | None = None) -> None:
+    """Whether the run `cfg` may resume from `ckpt` (its latest checkpoint): the same model
+    (but for IGNORED_MODEL_FIELDS), the same global batch, and the same data (`data`: the run's
+    data identity, `rayhybrid.data.identity.data_identity`, which fixes what sample i is). The
+    one place this is asked: the driver asks it before any worker starts, so a refusal is one
+    ConfigError line naming the setting (exit 2), not an error from the workers after they
+    joined. A checkpoint written before one of these was recorded is not refused on it."""
+    if ckpt is None:
+        return
+    meta, where = ckpt.meta, redact_url(str(ckpt.path))
+    _same_model(where, meta.get("model"), cfg)
+    recorded = meta.get("global_batch_size")
+    if recorded is not None and recorded != cfg.train.global_batch_size:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{where} was trained with train.global_batch_size={recorded}, here {cfg.train.global_batch_size}; "
+            f"resume with the same global batch (it fixes the sample stream and the LR schedule), {RESUME_FIX}",
+        )
+    if data is not None and meta.get("data") is not None and meta["data"] != data:
+        setting, what = _data_difference(meta["data"], data, cfg)
+        raise ConfigError(
+            setting,
+            f"{where} was trained on other data ({what}); resume with the same data settings (they fix which "
+            f"sample each step reads), {RESUME_FIX}",
+        )
+
+
+def _same_model(where: str, recorded: dict | None, cfg: Config) -> None:
+    """Another model cannot be resumed: the settings that differ, in one line (not DCP's error
+    about missing keys from a worker)."""
+    if not recorded:
+        return  # written before checkpoints recorded the model
+    now = dataclasses.asdict(cfg.model)
+    differ = [
+        f"model.{k}={recorded[k]!r} there, {now[k]!r} here"
+        for k in now
+        if k in recorded and k not in IGNORED_MODEL_FIELDS and recorded[k] != now[k]
+    ]
+    if differ:
+        raise ConfigError(
+            "checkpoint.dir",
+            f"{where} holds another model ({'; '.join(differ)}); use the same model settings to resume, "
+            "or a new checkpoint.dir",
+        )
+
+
+def _data_difference(recorded: dict, now: dict, cfg: Config) -> tuple[str, str]:
+    """(the setting to name, what differs) between two data identities."""
+    if recorded.get("kind") != now.get("kind"):
+        return "data.name", f"data of kind {recorded.get('kind')!r} there, {now.get('kind')!r} here"
+    datasets = "data.mix" if cfg.data.mix else "data.path"
+    for key, setting in (("datasets", datasets), ("weights", "data.mix"), ("order", "checkpoint.dir")):
+        if recorded.get(key) != now.get(key):
+            return setting, f"{key} {recorded.get(key)!r} there, {now.get(key)!r} here"
+    return "data", f"{recorded} there, {now} here"
