@@ -432,3 +432,24 @@ def test_the_step_line_shows_the_wait_for_data():
     metrics = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "step_time_s": 0.25}
     line = step_line({**metrics, "data_wait_s": 0.012, "val_loss": 2.4}, total=10)
     assert line.endswith("| 0.25s/step | data wait 12.0ms | val_loss 2.4000"), line
+
+
+def test_the_drivers_data_identity_is_what_every_kind_of_stream_records(tmp_path):
+    """data_identity (the driver's, from the config alone, no torch) equals what the training
+    stream of each kind of data records in its checkpoints: else check_fits would refuse a
+    resume on the very data it was trained on, or let another through."""
+    from rayhybrid.data.identity import data_identity
+    from rayhybrid.data.streams import build_stream
+
+    (tmp_path / "book.txt").write_text("a few words of text " * 50)
+    np.arange(500, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    web = write_dataset(tmp_path / "web", random_documents(60, seed=16))
+    code = write_dataset(tmp_path / "code", random_documents(60, seed=17))
+    for data in (
+        DataConfig(seq_len=SEQ),
+        DataConfig(name="text", path=str(tmp_path / "book.txt"), seq_len=SEQ),
+        DataConfig(name="tokens", path=str(tmp_path / "ids.bin"), seq_len=SEQ),
+        DataConfig(name="prepared", path=web, seq_len=SEQ),
+        DataConfig(name="prepared", mix=({"path": web, "weight": 0.3}, {"path": code, "weight": 0.7}), seq_len=SEQ),
+    ):
+        assert data_identity(data) == build_stream(data, 320, seed=1).identity(), data.name

@@ -6,7 +6,7 @@ sample i besides the seed and seq_len (docs/design.md, invariant 4).
 
 The driver computes it from the config, without torch and before any worker starts, for
 `rayhybrid.storage.checkpoints.check_fits`; the streams record the same value
-(tests/test_checkpoint.py holds the two equal for every kind of data). For prepared data that
+(tests/test_data_prepared.py holds the two equal for every kind of data). For prepared data that
 reads each dataset's index.json (its fingerprint), with data.storage_options.
 """
 
