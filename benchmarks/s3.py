@@ -42,7 +42,9 @@ def env(**values: str | None):
 
 @contextlib.contextmanager
 def loopback_aws():
-    names = [k for k in os.environ if k.startswith("AWS_")]
+    names = [
+        k for k in os.environ if k.startswith("AWS_") and k not in ("AWS_ENDPOINT_URL", "AWS_EC2_METADATA_DISABLED")
+    ]
     with env(**dict.fromkeys(names), AWS_ENDPOINT_URL=DEAD_ENDPOINT, AWS_EC2_METADATA_DISABLED="true"):
         yield
 

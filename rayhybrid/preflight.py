@@ -113,8 +113,11 @@ def make_run_dir(base: Path) -> Path:
 
 def scrub_run_files(hydra_dir: str | Path, cfg: Config) -> None:
     """Rewrite the files Hydra keeps of a run (.hydra/*.yaml) without the secrets of `cfg`
-    (checkpoint.storage_options values under secret keys, user:password in checkpoint.dir)."""
-    secrets = secret_values(cfg.checkpoint.storage_options, cfg.checkpoint.dir)
+    (checkpoint.storage_options and data.storage_options values under secret keys, user:password
+    in checkpoint.dir, data.path and data.val_path)."""
+    ck, d = cfg.checkpoint, cfg.data
+    options = {"checkpoint": ck.storage_options, "data": d.storage_options}
+    secrets = secret_values(options, ck.dir, d.path, d.val_path)
     if not secrets:
         return
     for path in Path(hydra_dir).glob("*.yaml"):

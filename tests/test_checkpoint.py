@@ -142,3 +142,55 @@ def test_incomplete_or_corrupt_latest_is_skipped(tmp_path, caplog):
     store.retain(root, keep=2)
     assert sorted(os.listdir(tmp_path)) == [store.name_for(10), store.name_for(20)]
     assert json.loads((bad / store.META).read_text())["step"] == 20
+
+
+def fake_checkpoint(root, cfg: Config, **meta) -> str:
+    """A committed checkpoint as a run of `cfg` writes its meta.json (the DCP files stand-ins:
+    nothing loads them), with `meta` changed; returns its directory."""
+    import dataclasses
+
+    s = Store.open(root)
+    path = store.begin(s, 4)
+    s.write_bytes(f"{path}/.metadata", b"m" * 10)
+    t = cfg.topology
+    written = {
+        "version": 1,
+        "step": 4,
+        "model": dataclasses.asdict(cfg.model),
+        "seq_len": cfg.data.seq_len,
+        "consumed_samples": 4 * cfg.train.global_batch_size,
+        "data": {"kind": "MarkovStream"},
+        "global_batch_size": cfg.train.global_batch_size,
+        "seed": cfg.seed,
+        "topology": {"dp": t.dp, "pp": t.pp, "tp": t.tp, "schedule": t.schedule, "dp_shard": t.dp_shard},
+    }
+    store.commit(s, path, {**written, **meta})
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, setting, words",
+    [
+        ({"global_batch_size": 32}, "train.global_batch_size", ["train.global_batch_size=32, here 16"]),
+        ({"data": {"kind": "WindowStream"}}, "data.name", ["other data", "'WindowStream' there, 'MarkovStream' here"]),
+    ],
+)
+def test_a_resume_that_does_not_fit_is_refused_before_any_worker_starts(tmp_path, change, setting, words):
+    """A checkpoint.dir whose latest checkpoint was trained with another global batch, or on
+    other data, is refused by the driver from the checkpoint's meta.json and the config alone:
+    exit 2, one line naming the setting, and no worker is ever started (the workers used to
+    refuse it, each with a ValueError, after they had joined and built the model)."""
+    from tests.test_cli import assert_one_line_error, run_cli
+
+    cfg = load_config(["train.steps=8"])
+    fake_checkpoint(tmp_path / "ckpts", cfg, **change)
+    run_dir = tmp_path / "run"
+    args = ["train.steps=8", f"checkpoint.dir={tmp_path / 'ckpts'}", f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, cwd=tmp_path)
+    line = assert_one_line_error(proc, f"{setting}:", *words, str(tmp_path / "ckpts" / store.name_for(4)))
+    assert "new checkpoint.dir" in line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 0
+    assert summary.get("startup_s") is None and "placement" not in summary  # no worker started
+    assert not (run_dir / "workers.json").exists()
+    assert "started" not in proc.stdout and "resuming" not in proc.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -20,7 +21,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from rayhybrid.config.schema import DataConfig
+from benchmarks.s3 import DEAD_ENDPOINT
+from rayhybrid.config.schema import Config, DataConfig
 from rayhybrid.data import reader
 from rayhybrid.data.packing import BLOCK, Mixture, Part
 from rayhybrid.data.prepared import open_prepared
@@ -335,25 +337,88 @@ def test_the_trace_counts_every_sample_of_a_mixture(tmp_path):
 
 
 def test_a_checkpoint_resumes_only_on_the_data_it_was_trained_on(tmp_path):
-    from types import SimpleNamespace
+    """The driver refuses a resume on other data, from the config alone, before any worker
+    starts (driver.compatibility.check_fits with data.identity.data_identity): one ConfigError
+    line naming the setting. The workers no longer ask (their restore loads what it is given)."""
+    import inspect
 
-    from rayhybrid.trainer.checkpoint import restore
+    from rayhybrid.data.identity import data_identity
+    from rayhybrid.driver.compatibility import check_fits
+    from rayhybrid.storage.checkpoints import Checkpoint
+    from rayhybrid.trainer import checkpoint as trainer_checkpoint
 
     web = write_dataset(tmp_path / "web", random_documents(60, seed=13))
     code = write_dataset(tmp_path / "code", random_documents(60, seed=14))
-    mix = PreparedStream.open(DataConfig(name="prepared", mix=({"path": web, "weight": 3}, {"path": code})), 0)
-    other = PreparedStream.open(DataConfig(name="prepared", mix=({"path": web, "weight": 1}, {"path": code})), 0)
+    mix_cfg = DataConfig(name="prepared", mix=({"path": web, "weight": 3}, {"path": code}))
+    other_cfg = DataConfig(name="prepared", mix=({"path": web, "weight": 1}, {"path": code}))
+    mix, other = PreparedStream.open(mix_cfg, 0), PreparedStream.open(other_cfg, 0)
     assert mix.identity()["weights"] == [0.75, 0.25] and mix.identity() != other.identity()
-    trainer = SimpleNamespace(stream=other, cfg=SimpleNamespace(train=SimpleNamespace(global_batch_size=8)))
-    with pytest.raises(ValueError, match="trained on other data"):
-        restore(trainer, "ckpt", {"global_batch_size": 8, "data": mix.identity()})
+    # What the driver computes is what the stream records in its checkpoints.
+    assert data_identity(mix_cfg) == mix.identity() and data_identity(other_cfg) == other.identity()
+
+    def run(data: DataConfig):
+        return Config(data=data, train=dataclasses.replace(Config().train, global_batch_size=8))
+
+    def ckpt(data: dict) -> Checkpoint:
+        return Checkpoint(str(tmp_path / "ckpt" / "step_00000004"), {"step": 4, "global_batch_size": 8, "data": data})
+
+    check_fits(ckpt(mix.identity()), run(mix_cfg), data_identity(mix_cfg))  # the same data: fine
+    with pytest.raises(ConfigError) as err:
+        check_fits(ckpt(mix.identity()), run(other_cfg), data_identity(other_cfg))
+    assert err.value.setting == "data.mix" and "trained on other data (weights [0.75, 0.25] there" in str(err.value)
+    assert "\n" not in str(err.value)
+    only_web = DataConfig(name="prepared", path=web)
+    with pytest.raises(ConfigError) as err:
+        check_fits(ckpt(mix.identity()), run(only_web), data_identity(only_web))
+    assert err.value.setting == "data.path" and "datasets" in str(err.value)
     # A checkpoint of the same data read in the former epoch order (a full permutation drawn per
     # epoch, before the identity named its order) would read other samples: refused too.
-    same = SimpleNamespace(stream=mix, cfg=trainer.cfg)
-    restore_data = {"global_batch_size": 8, "data": {k: v for k, v in mix.identity().items() if k != "order"}}
-    with pytest.raises(ValueError, match="trained on other data") as err:
-        restore(same, "ckpt", restore_data)
-    assert "'order': 2" in str(err.value)
+    former = {k: v for k, v in mix.identity().items() if k != "order"}
+    with pytest.raises(ConfigError) as err:
+        check_fits(ckpt(former), run(mix_cfg), data_identity(mix_cfg))
+    assert err.value.setting == "checkpoint.dir" and "order None there, 2 here" in str(err.value), str(err.value)
+    # Other kinds of data: synthetic after prepared is refused by name.
+    with pytest.raises(ConfigError) as err:
+        check_fits(ckpt(mix.identity()), run(DataConfig()), data_identity(DataConfig()))
+    assert err.value.setting == "data.name" and "'MarkovStream' here" in str(err.value)
+    # The old path, a ValueError from every rank after the join, is gone.
+    restore = inspect.getsource(trainer_checkpoint.restore)
+    assert "identity" not in restore and "global_batch_size" not in restore and "ValueError" not in restore
+
+
+def test_a_prepared_dataset_on_s3_is_read_with_credentials_in_data_storage_options_alone(tmp_path):
+    """No AWS credentials or endpoint in the environment (a dead loopback endpoint instead):
+    data.storage_options alone reaches the bucket, for the checks before a run, the training
+    stream, its held-out stream and the driver's data identity."""
+    import s3fs
+
+    from rayhybrid.data.identity import data_identity
+    from tests.s3 import CREDENTIALS, env, loopback_aws, make_bucket, moto_server
+
+    docs = random_documents(200, seed=21)
+    with loopback_aws(), moto_server() as endpoint:
+        s3fs.S3FileSystem.clear_instance_cache()
+        with env(AWS_ENDPOINT_URL=endpoint, **CREDENTIALS):
+            make_bucket("only-options", endpoint)
+            url = write_dataset("s3://only-options/ds", docs, shards=2, held_out=0.1)
+        s3fs.S3FileSystem.clear_instance_cache()
+        assert "AWS_ACCESS_KEY_ID" not in os.environ and os.environ["AWS_ENDPOINT_URL"] == DEAD_ENDPOINT
+        base = ["data=prepared", f"data.path={url}", f"data.seq_len={SEQ}", "model.vocab_size=320", "eval.every=5"]
+        with pytest.raises(ConfigError) as err:  # as before: the environment's store, unreachable
+            load_config(base)
+        assert err.value.setting == "data.path"
+        options = [
+            f"data.storage_options.{k}={v}" for k, v in (("endpoint_url", endpoint), ("key", "k-1"), ("secret", "s-1"))
+        ]
+        cfg = load_config([*base, *options])  # the checks read the index and lengths with them
+        stream = PreparedStream.open(cfg.data, seed=0)
+        inputs, _ = stream.batch(0, 4)
+        start = stream.locate(0)[2]
+        train_docs = [d for i, d in enumerate(docs) if i not in set(stream.parts[0].dataset.held_out.tolist())]
+        assert inputs[0].tolist() == stream_of(train_docs)[start : start + SEQ].tolist()
+        assert PreparedStream.held_out(cfg.data, seed=0).batch(0, 2)[0].shape == (2, SEQ)
+        assert data_identity(cfg.data) == stream.identity()
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_open_prepared_is_importable_from_the_data_package(tmp_path):
@@ -370,3 +435,24 @@ def test_the_step_line_shows_the_wait_for_data():
     metrics = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "step_time_s": 0.25}
     line = step_line({**metrics, "data_wait_s": 0.012, "val_loss": 2.4}, total=10)
     assert line.endswith("| 0.25s/step | data wait 12.0ms | val_loss 2.4000"), line
+
+
+def test_the_drivers_data_identity_is_what_every_kind_of_stream_records(tmp_path):
+    """data_identity (the driver's, from the config alone, no torch) equals what the training
+    stream of each kind of data records in its checkpoints: else check_fits would refuse a
+    resume on the very data it was trained on, or let another through."""
+    from rayhybrid.data.identity import data_identity
+    from rayhybrid.data.streams import build_stream
+
+    (tmp_path / "book.txt").write_text("a few words of text " * 50)
+    np.arange(500, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    web = write_dataset(tmp_path / "web", random_documents(60, seed=16))
+    code = write_dataset(tmp_path / "code", random_documents(60, seed=17))
+    for data in (
+        DataConfig(seq_len=SEQ),
+        DataConfig(name="text", path=str(tmp_path / "book.txt"), seq_len=SEQ),
+        DataConfig(name="tokens", path=str(tmp_path / "ids.bin"), seq_len=SEQ),
+        DataConfig(name="prepared", path=web, seq_len=SEQ),
+        DataConfig(name="prepared", mix=({"path": web, "weight": 0.3}, {"path": code, "weight": 0.7}), seq_len=SEQ),
+    ):
+        assert data_identity(data) == build_stream(data, 320, seed=1).identity(), data.name

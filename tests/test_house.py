@@ -22,7 +22,7 @@ FLOORS = {
     "rayhybrid.parallel": 2,
     "rayhybrid.storage": 2,
     "rayhybrid.faults": 2,
-    "rayhybrid.data": 2,
+    "rayhybrid.data": 3,
     "rayhybrid.models": 3,
     "rayhybrid.tracking": 3,
     "rayhybrid.trainer": 4,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rayhybrid.driver.controller import check_same_model
+from rayhybrid.driver.compatibility import check_fits
 from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import BUILTIN, get_spec
 from rayhybrid.models.spec import ModelSpec
@@ -53,18 +53,18 @@ def _ckpt(model: dict) -> Checkpoint:
 def test_resuming_another_model_is_a_config_error():
     cfg = load_config(["model=llama3_debug"])
     recorded = dataclasses.asdict(cfg.model)
-    check_same_model(_ckpt(recorded), cfg)  # the same model: fine
-    check_same_model(_ckpt({**recorded, "flavor": "x", "init_from": "/hf"}), cfg)  # names only: fine
-    check_same_model(None, cfg)
-    check_same_model(Checkpoint("/old/step_1", {"step": 1}), cfg)  # written before models were recorded
+    check_fits(_ckpt(recorded), cfg)  # the same model: fine
+    check_fits(_ckpt({**recorded, "flavor": "x", "init_from": "/hf"}), cfg)  # names only: fine
+    check_fits(None, cfg)
+    check_fits(Checkpoint("/old/step_1", {"step": 1}), cfg)  # written before models were recorded
     with pytest.raises(ConfigError) as err:
-        check_same_model(_ckpt({**recorded, "options": {**recorded["options"], "n_kv_heads": 4}}), cfg)
+        check_fits(_ckpt({**recorded, "options": {**recorded["options"], "n_kv_heads": 4}}), cfg)
     assert err.value.setting == "checkpoint.dir" and "model.options.n_kv_heads=4 there, 2 here" in str(err.value)
     # An option left at its default and one spelt out agree.
-    check_same_model(_ckpt({**recorded, "options": {**recorded["options"], "tie_embeddings": False}}), cfg)
+    check_fits(_ckpt({**recorded, "options": {**recorded["options"], "tie_embeddings": False}}), cfg)
     gpt = dataclasses.asdict(load_config([]).model)
     with pytest.raises(ConfigError, match="model.name='gpt' there, 'llama3' here"):
-        check_same_model(_ckpt(gpt), cfg)
+        check_fits(_ckpt(gpt), cfg)
 
 
 def test_hf_config_keys_left_out_mean_transformers_defaults():
@@ -159,9 +159,9 @@ def test_checkpoints_recorded_before_families_owned_their_settings_still_resume_
 
     cfg = load_config([f"model={preset}"])
     old = _old_record(cfg)
-    check_same_model(_ckpt(old), cfg)
+    check_fits(_ckpt(old), cfg)
     model = model_from_record(old)
     assert settings_of(model) == settings_of(cfg.model)
     if cfg.model.name == "llama3":
         with pytest.raises(ConfigError, match="model.options.rope_theta=1.0 there"):
-            check_same_model(_ckpt({**old, "rope_theta": 1.0}), cfg)
+            check_fits(_ckpt({**old, "rope_theta": 1.0}), cfg)

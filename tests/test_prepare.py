@@ -183,13 +183,19 @@ def test_settings_compose_like_the_trainers():
         ([*base, "colour=red"], "colour"),
         ([*base, "workers=many"], "workers"),
         ([*base, "bos=perhaps"], "bos"),
-        ([*base, "format=csv"], "format"),
         ([*base, "val_fraction=1.0"], "val_fraction"),
         ([*base, "workers=-1"], "workers"),
     ]:
         with pytest.raises(ConfigError) as err:
             compose_prepare(overrides)
         assert err.value.setting == setting, str(err.value)
+    from rayhybrid.prepare.inputs import list_inputs
+
+    # Which formats there are is the registry's (rayhybrid.prepare.formats): an unknown one is
+    # refused when the inputs are listed, before any file is looked at.
+    with pytest.raises(ConfigError) as err:
+        list_inputs("a-path-that-is-never-listed", compose_prepare([*base, "format=csv"]).format)
+    assert err.value.setting == "format" and "'csv' is not a format" in str(err.value), str(err.value)
 
 
 def test_help_lists_every_setting(tmp_path):

@@ -6,6 +6,7 @@ reaches a real cloud). One process, a 1-rank gloo group; no Ray."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -24,7 +25,6 @@ from omegaconf import OmegaConf
 from benchmarks.s3 import DEAD_ENDPOINT, env
 from rayhybrid.config.compose import normalize_overrides
 from rayhybrid.config.schema import CheckpointConfig, Config
-from rayhybrid.driver.controller import open_store
 from rayhybrid.errors import ConfigError
 from rayhybrid.preflight import load_config, scrub_run_files
 from rayhybrid.storage import checkpoints as cs
@@ -36,6 +36,7 @@ from rayhybrid.storage.store import (
     is_remote,
     is_secret,
     one_line,
+    open_store,
     redact,
     redact_url,
     remove_probe,
@@ -635,7 +636,38 @@ def test_config_storage_options_and_async_save():
 
 
 def test_open_store_unknown_protocol_is_config_error():
-    with pytest.raises(ConfigError) as err:
-        open_store("nope://u:pw123@x", {})
-    assert err.value.setting == "checkpoint.dir"
-    assert "pw123" not in str(err.value) and "\n" not in str(err.value)
+    """One way to open a setting's store: a one-line ConfigError naming the setting it was
+    given, never with credentials (checkpoint.dir, data.path, prepare's input, ...)."""
+    for setting in ("checkpoint.dir", "data.path", "input"):
+        with pytest.raises(ConfigError) as err:
+            open_store("nope://u:pw123@x", {}, setting=setting)
+        assert err.value.setting == setting
+        assert "pw123" not in str(err.value) and "\n" not in str(err.value)
+    assert open_store("memory://x/", {}, setting="output").url == "memory://x"
+
+
+def test_scrub_run_files_removes_the_data_stores_secrets(tmp_path):
+    """data.storage_options (and a user:password in data.path) are secrets like checkpoint's:
+    none is left in the files Hydra keeps of a run."""
+    cfg = Config(
+        data=dataclasses.replace(
+            Config().data,
+            path="s3://AKIA:pw456@bucket/ds",
+            storage_options={"secret": "data-s3cr3t", "key": "AKIAdata"},
+        )
+    )
+    hydra = tmp_path / ".hydra"
+    hydra.mkdir()
+    OmegaConf.save(OmegaConf.structured(cfg), hydra / "config.yaml")
+    (hydra / "overrides.yaml").write_text("- data.storage_options.secret=data-s3cr3t\n")
+    scrub_run_files(hydra, cfg)
+    for path in hydra.iterdir():
+        text = path.read_text()
+        assert not any(s in text for s in ("data-s3cr3t", "AKIAdata", "pw456")), (path, text)
+    assert yaml.safe_load((hydra / "config.yaml").read_text())["data"]["storage_options"]["secret"] == "REDACTED"
+    assert redact(dataclasses.asdict(cfg))["data"]["storage_options"] == {"secret": "REDACTED", "key": "REDACTED"}
+
+
+def test_data_storage_options_compose_like_checkpoints():
+    cfg = load_config(["data.storage_options.endpoint_url=http://x", "data.storage_options.key=k"])
+    assert cfg.data.storage_options == {"endpoint_url": "http://x", "key": "k"}

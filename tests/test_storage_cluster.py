@@ -96,6 +96,41 @@ def test_recovery_from_s3_is_exact_and_keeps_no_secret(cluster, reference, tmp_p
         assert secret not in out + err, "a secret was printed"
 
 
+def test_prepared_data_read_with_credentials_only_in_data_storage_options_keeps_no_secret(cluster, tmp_path, capfd):
+    """A prepared dataset in the bucket, and no S3 setting anywhere but data.storage_options:
+    not in the driver's environment (a dead endpoint, no credentials), not on the nodes. The
+    driver's checks and the ranks on the other nodes read it with those options alone, and
+    neither the key nor the secret is written (config, summary.json, metrics, checkpoints'
+    meta.json) or printed."""
+    from tests.prepared import random_documents, write_dataset
+
+    _, endpoint = cluster
+    url = write_dataset("s3://ckpts/corpus-only-options", random_documents(400, seed=5), vocab_size=300)
+    data_key, data_secret = f"dkey-{uuid.uuid4().hex[:12]}", f"dsecret-{uuid.uuid4().hex}"
+    run_dir = tmp_path / "run"
+    overrides = [
+        *COMMON,
+        "train.steps=4",
+        "data=prepared",
+        f"data.path={url}",
+        "model.vocab_size=320",
+        f"checkpoint.dir={tmp_path / 'ckpts'}",
+        f"data.storage_options.endpoint_url={endpoint}",
+        f"data.storage_options.key={data_key}",
+        f"data.storage_options.secret={data_secret}",
+    ]
+    with s3.env(AWS_ENDPOINT_URL=s3.DEAD_ENDPOINT, AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None):
+        summary = rayhybrid.train(overrides, run_dir=run_dir)
+    assert summary["status"] == "completed" and summary["steps"] == 4
+    latest = checkpoint_store.latest(str(tmp_path / "ckpts"))
+    assert latest.step == 4 and latest.meta["data"]["kind"] == "prepared"  # a checkpoint's meta.json among them
+    written = [p.read_bytes() for root in (run_dir, tmp_path / "ckpts") for p in root.rglob("*") if p.is_file()]
+    out, err = capfd.readouterr()
+    for secret in (data_key, data_secret):
+        assert not any(secret.encode() in blob for blob in written), "a secret was written"
+        assert secret not in out + err, "a secret was printed"
+
+
 def test_dp2_pp2_tp2_checkpoint_resumes_as_tp2_from_s3(cluster, reference, tmp_path):
     url = "s3://ckpts/reshard"
     first = rayhybrid.train(

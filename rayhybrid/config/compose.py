@@ -62,7 +62,7 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="base_config", node=node)
 
 
-FREE_FORM = ("checkpoint.storage_options.", "model.options.")
+FREE_FORM = ("checkpoint.storage_options.", "data.storage_options.", "model.options.")
 
 
 def _family_setting(key: str) -> None:

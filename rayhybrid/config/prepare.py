@@ -5,7 +5,8 @@ like the trainer's (`compose.py`) into a frozen `PrepareConfig`.
 
 Every mistake is a one-line `ConfigError` naming the setting: an unknown key, a value of the
 wrong type, a required setting left out, a choice that does not exist. What needs the inputs,
-the tokenizer or the store (does the input match files, is the output writable) is checked by
+the tokenizer or the store (does the input match files, is the output writable), and which
+input formats there are (`rayhybrid.prepare.formats`, a registry), is checked by
 `rayhybrid.prepare`, which owns them.
 """
 
@@ -24,7 +25,6 @@ from rayhybrid.config.compose import _unfreeze, compose_tool, missing_settings, 
 from rayhybrid.errors import ConfigError
 
 CONFIG_NAME = "prepare"
-FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
 
 
 @dataclass(frozen=True)
@@ -47,16 +47,16 @@ SETTINGS = {
     "input": "a file, a directory (searched recursively), a glob or a URL (s3://bucket/raw/*.jsonl); required",
     "output": "where the prepared dataset goes: a directory or a URL (s3://bucket/tokens); required",
     "tokenizer": "a local directory holding a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json); required",
-    "format": "auto (by extension: .txt and other text, .jsonl/.json/.jsonl.gz, .parquet; a directory with "
-    "state.json and *.arrow files is a saved Hugging Face dataset), text (one document per file), jsonl, "
-    "parquet or hf",
+    "format": "auto (each file's by its name; a directory holding a format's marker file, such as a saved "
+    "Hugging Face dataset's state.json, as that format) or one of the input formats listed below",
     "field": "the JSON key, or the Parquet/Arrow column, that holds each document's text",
     "workers": "tokenizer actors; 0: one per CPU of the cluster (together they reserve all but one CPU, for reading and writing)",
     "bos": "true: each document starts with the tokenizer's BOS id (every document ends with its EOS id)",
     "val_fraction": "a fraction of whole documents held out for evaluation (0: none)",
     "address": "a Ray cluster (ip:port, auto or ray://...); empty: RAY_ADDRESS, else a local Ray",
     "storage_options": "options for fsspec's filesystem of input and output, e.g. "
-    "storage_options.endpoint_url=http://host:9000 (credentials: the store's own environment variables)",
+    "storage_options.endpoint_url=http://host:9000 (credentials: the store's own environment variables, or "
+    "storage_options.key=... and .secret=..., which are never logged or recorded)",
 }
 """One line per setting: what `--help` prints (every field of PrepareConfig is here)."""
 
@@ -127,8 +127,6 @@ def check(cfg: PrepareConfig) -> None:
     for name in STRING_VALUES:
         if not str(getattr(cfg, name)).strip():
             raise ConfigError(name, f"is empty; {SETTINGS[name]}")
-    if cfg.format not in FORMATS:
-        raise ConfigError("format", f"{cfg.format!r} is not a format; choose one of {', '.join(FORMATS)}")
     if not cfg.field.strip():
         raise ConfigError("field", "is empty; give the JSON key or column that holds the text (e.g. field=text)")
     if cfg.workers < 0:

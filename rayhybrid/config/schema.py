@@ -137,6 +137,10 @@ class DataConfig:
     val_fraction: float = 0.0
     """text, tokens (without data.val_path): hold out this tail fraction of data.path's tokens
     for evaluation; training reads only the rest. 0: none."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """prepared: options for the fsspec filesystem of data.path, data.val_path and data.mix's
+    datasets (s3: endpoint_url, key, secret, ...), as checkpoint.storage_options is for
+    checkpoint.dir; values under secret keys are redacted wherever the config is written."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import os
 
 from rayhybrid.config.schema import Config
 from rayhybrid.data.packing import BLOCK, Part, mixture_entries, training_documents
-from rayhybrid.data.prepared import PreparedDataset, read_index
+from rayhybrid.data.prepared import PreparedDataset, open_prepared, read_index
 from rayhybrid.errors import ConfigError
 
 
@@ -54,7 +54,10 @@ def check_prepared_settings(cfg: Config) -> None:
 def check_prepared_datasets(cfg: Config) -> None:
     """The datasets the settings name (after `check_prepared_settings`): each opened once."""
     d = cfg.data
-    datasets = [(setting, PreparedDataset(read_index(url, setting=setting))) for setting, url, _ in mixture_entries(d)]
+    datasets = [
+        (setting, PreparedDataset(read_index(url, d.storage_options, setting), d.storage_options, setting))
+        for setting, url, _ in mixture_entries(d)
+    ]
     first = datasets[0][1]
     for setting, ds in datasets:
         _tokenizer_fits(cfg, setting, ds)
@@ -126,7 +129,7 @@ def _held_out(cfg: Config, datasets: list[tuple[str, PreparedDataset]]) -> None:
     """Evaluation reads data.val_path, else the documents each dataset held out."""
     d = cfg.data
     if d.val_path:
-        ds = PreparedDataset(read_index(d.val_path, setting="data.val_path"))
+        ds = open_prepared(d.val_path, d.storage_options, "data.val_path")
         _tokenizer_fits(cfg, "data.val_path", ds)
         _holds_window("data.val_path", d.val_path, ds.num_tokens, d.seq_len, "held out")
         return

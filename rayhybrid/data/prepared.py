@@ -16,7 +16,9 @@ Held-out documents (prepare's `val_fraction`) are a seeded choice of whole docum
 all of them (`held_out_documents`), recorded in the index by their fraction and count and
 derived again by every reader: training never reads them, evaluation reads only them.
 
-No torch, no Ray here: the checks before a run (`rayhybrid.preflight`) read the index too.
+Its store is opened as every store is (`rayhybrid.storage.store.open_store`), with
+data.storage_options. No torch, no Ray here: the checks before a run (`rayhybrid.preflight`)
+read the index too.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-import fsspec
 import numpy as np
 
 from rayhybrid.data.seeds import HELD_OUT
 from rayhybrid.errors import ConfigError
+from rayhybrid.storage.store import one_line, open_store, redact_url
 
 INDEX = "index.json"
 FORMAT = "rayhybrid.prepared"
@@ -105,34 +107,33 @@ class Index:
         return self.raw["fingerprint"]
 
 
-def open_store(url: str, options: dict | None = None):
-    """(filesystem, root path in its own form) for a dataset URL or local path."""
-    url = url.rstrip("/")
-    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
-    return fs, root.rstrip("/")
-
-
 def read_index(url: str, options: dict | None = None, setting: str = "data.path") -> Index:
-    """The committed index of the dataset at `url`; ConfigError naming `setting` when there is
-    none (nothing prepared there, or a prepare that did not finish) or it cannot be read."""
+    """The committed index of the dataset at `url`, read with `options` (data.storage_options);
+    ConfigError naming `setting` when there is none (nothing prepared there, or a prepare that
+    did not finish) or it cannot be read."""
+    store = open_store(url, options, setting=setting)
+    shown = redact_url(url)
     try:
-        fs, root = open_store(url, options)
-        text = fs.cat_file(f"{root}/{INDEX}").decode()
+        text = store.read_bytes(store.join(INDEX)).decode()
     except FileNotFoundError:
         raise ConfigError(
             setting,
-            f"{url} holds no committed prepared dataset ({INDEX} is missing: nothing was prepared there, or "
-            "a prepare did not finish); run python -m rayhybrid.prepare input=... output=" + url,
+            f"{shown} holds no committed prepared dataset ({INDEX} is missing: nothing was prepared there, or "
+            "a prepare did not finish); run python -m rayhybrid.prepare input=... output=" + shown,
         ) from None
-    except ImportError as err:
-        raise ConfigError(setting, f"{url}: {err}; install the package its protocol needs (s3fs, gcsfs)") from None
     except (OSError, ValueError) as err:
-        raise ConfigError(setting, f"cannot read {url}/{INDEX}: {type(err).__name__}: {err}") from None
+        raise ConfigError(setting, f"cannot read {shown}/{INDEX}: {one_line(err)}") from None
+    except Exception as err:  # noqa: BLE001 - a store client's own error (no credentials, access denied)
+        raise ConfigError(
+            setting,
+            f"cannot read {shown}/{INDEX}: {one_line(err)}; check the credentials and the endpoint "
+            "(data.storage_options, or the store's environment variables such as AWS_*)",
+        ) from None
     try:
         return Index.parse(url, text)
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(
-            setting, f"{url}/{INDEX} is not a prepared dataset's index ({err}); prepare it again"
+            setting, f"{shown}/{INDEX} is not a prepared dataset's index ({err}); prepare it again"
         ) from None
 
 
@@ -146,11 +147,11 @@ class PreparedDataset:
         ds.read(1000, 1200)                 # tokens [1000, 1200) of the whole stream
     """
 
-    def __init__(self, index: Index, options: dict | None = None) -> None:
+    def __init__(self, index: Index, options: dict | None = None, setting: str = "data.path") -> None:
         self.index = index
         self.url = index.url
-        self.options = dict(options or {})
-        self.fs, self.root = open_store(index.url, self.options)
+        self.store = open_store(index.url, options, setting=setting)
+        self.options, self.fs, self.root = self.store.options, self.store.fs, self.store.root
         self.dtype = np.dtype(index.dtype).newbyteorder("<")
         self.shard_paths = [f"{self.root}/{shard_files(i)[0]}" for i in range(len(index.shards))]
         counts = np.array([s["tokens"] for s in index.shards], dtype=np.int64)
@@ -227,7 +228,8 @@ class PreparedDataset:
         return self.decode(self.fs.cat_ranges(list(paths), list(starts), list(ends), on_error="raise"))
 
 
-def open_prepared(url: str, storage_options: dict | None = None) -> PreparedDataset:
-    """Open the prepared dataset at `url` (a path or any fsspec URL) for inspection or reading.
-    ConfigError when nothing committed is there."""
-    return PreparedDataset(read_index(url, storage_options), storage_options)
+def open_prepared(url: str, storage_options: dict | None = None, setting: str = "data.path") -> PreparedDataset:
+    """Open the prepared dataset at `url` (a path or any fsspec URL) with `storage_options`
+    (data.storage_options) for inspection or reading. ConfigError naming `setting` when nothing
+    committed is there, or the store cannot be opened."""
+    return PreparedDataset(read_index(url, storage_options, setting), storage_options, setting)

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from rayhybrid.config.schema import DataConfig
-from rayhybrid.data.packing import ORDER, Mixture, Part, mixture_entries, training_documents
+from rayhybrid.data.identity import prepared_identity
+from rayhybrid.data.packing import Mixture, Part, mixture_entries, training_documents
 from rayhybrid.data.prepared import INDEX, PreparedDataset, open_prepared
 from rayhybrid.data.samples import SampleStream
 from rayhybrid.data.seeds import HELD_OUT
@@ -60,7 +61,7 @@ class PreparedStream(SampleStream):
         """Evaluation's stream (seeded apart with seeds.HELD_OUT): data.val_path's documents,
         else every dataset's held-out ones, mixed with the same weights."""
         if cfg.val_path:
-            part = Part(open_prepared(cfg.val_path), None, cfg.seq_len)
+            part = Part(open_prepared(cfg.val_path, cfg.storage_options, "data.val_path"), None, cfg.seq_len)
             return cls([part], [cfg.val_path], [1.0], cfg, (seed, HELD_OUT))
         return cls._mixed(cfg, (seed, HELD_OUT), lambda ds: ds.held_out)
 
@@ -68,17 +69,12 @@ class PreparedStream(SampleStream):
     def _mixed(cls, cfg: DataConfig, key: tuple, documents) -> PreparedStream:
         """data.mix (or data.path alone), each dataset's `documents(dataset)` packed."""
         entries = mixture_entries(cfg)
-        datasets = [open_prepared(url) for _, url, _ in entries]
+        datasets = [open_prepared(url, cfg.storage_options, setting) for setting, url, _ in entries]
         parts = [Part(ds, documents(ds), cfg.seq_len) for ds in datasets]
         return cls(parts, [url for _, url, _ in entries], [w for _, _, w in entries], cfg, key)
 
     def identity(self) -> dict:
-        return {
-            "kind": "prepared",
-            "datasets": [p.dataset.index.fingerprint for p in self.parts],
-            "weights": [round(float(w), 12) for w in self.mixture.weights],
-            "order": ORDER,  # which window each sample reads (packing.shuffled)
-        }
+        return prepared_identity([p.dataset.index.fingerprint for p in self.parts], self.mixture.weights)
 
     def locate(self, i: int) -> tuple[int, int, int]:
         """(dataset, epoch, first token in its part) of sample i."""

@@ -21,17 +21,13 @@ from rayhybrid.data.packing import prepared_sources
 from rayhybrid.driver.records import Interruption, steps_redone
 from rayhybrid.driver.runlog import RunLog
 from rayhybrid.driver.state import RunState
-from rayhybrid.errors import ConfigError, WorkerError
+from rayhybrid.errors import WorkerError
 from rayhybrid.faults import Injection
 from rayhybrid.storage import checkpoints
 from rayhybrid.storage.store import Store, redact_url
 from rayhybrid.storage.visibility import check_datasets, check_storage
 
 log = logging.getLogger("rayhybrid")
-
-IGNORED_MODEL_FIELDS = ("flavor", "init_from")
-"""Settings that do not change what a checkpoint holds: a run resumed from its own checkpoint
-may drop init_from (the checkpoint has the weights now) or come from another preset name."""
 
 
 class CheckpointLedger:
@@ -181,34 +177,3 @@ class CheckpointLedger:
         path = redact_url(best.path)
         log.info("best checkpoint: %s (step %d, val_loss %.4f)", path, best.step, best.meta["val_loss"])
         return path
-
-
-def open_store(url: str, options: dict) -> Store:
-    try:
-        return Store.open(url, options)
-    except ValueError as err:
-        raise ConfigError(
-            "checkpoint.dir", f"{redact_url(url)}: {err}; install the store's fsspec package (e.g. s3fs, gcsfs)"
-        ) from None
-
-
-def check_same_model(ckpt: checkpoints.Checkpoint | None, cfg: Config) -> None:
-    """A checkpoint.dir whose latest checkpoint holds another model cannot be resumed: one line
-    naming the settings that differ (exit 2), not DCP's error about missing keys from a worker."""
-    recorded = (ckpt.meta if ckpt is not None else {}).get("model")
-    if not recorded:
-        return  # no checkpoint, or one written before checkpoints recorded the model
-    from rayhybrid.models.registry import comparable, comparable_record
-
-    now, recorded = comparable(cfg.model), comparable_record(recorded)
-    differ = [
-        f"model.{k}={recorded[k]!r} there, {now[k]!r} here"
-        for k in now
-        if k in recorded and k not in IGNORED_MODEL_FIELDS and recorded[k] != now[k]
-    ]
-    if differ:
-        raise ConfigError(
-            "checkpoint.dir",
-            f"{redact_url(ckpt.path)} holds another model ({'; '.join(differ)}); "
-            "use the same model settings to resume, or a new checkpoint.dir",
-        )

@@ -27,7 +27,9 @@ from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config, with_dp
 from rayhybrid.config.topology import Layout
-from rayhybrid.driver.checkpoints import CheckpointLedger, check_same_model, open_store
+from rayhybrid.data.identity import data_identity
+from rayhybrid.driver.checkpoints import CheckpointLedger
+from rayhybrid.driver.compatibility import check_fits
 from rayhybrid.driver.healing import Healing
 from rayhybrid.driver.observe import Observer
 from rayhybrid.driver.policies import Failure, FailurePolicy, ScalingPolicy
@@ -37,7 +39,7 @@ from rayhybrid.driver.runlog import RunLog, announce
 from rayhybrid.driver.state import Failed, Finished, Recovering, Resizing, RunState, Starting, State, Stopped, Training
 from rayhybrid.errors import RayHybridError, RunFailed, WorkerError
 from rayhybrid.faults import FaultPlan, Injection
-from rayhybrid.storage.store import redact_url
+from rayhybrid.storage.store import open_store, redact_url
 from rayhybrid.tracking import Trackers
 
 __all__ = ["Controller", "RunFailed"]
@@ -96,7 +98,7 @@ class Controller:
         start is a config error, found fast; a resumed run continues the tracker runs the
         store names), then Ray. Returns whether this run started Ray."""
         cfg = self.cfg
-        store = open_store(self._checkpoint_url(), cfg.checkpoint.storage_options)
+        store = open_store(self._checkpoint_url(), cfg.checkpoint.storage_options, setting="checkpoint.dir")
         self.log.summary.checkpoint_dir = store.display
         self.ledger = CheckpointLedger(cfg, store, self.log)
         self.drains = DrainWatch(cfg, self.scaling, self.ledger)
@@ -109,9 +111,9 @@ class Controller:
         return self.cfg.checkpoint.dir or str(self.log.dir / "checkpoints")
 
     def prepare(self) -> None:
-        """Before the first start: the checkpoint to resume holds this model, and the cluster can
-        ever hold the run."""
-        check_same_model(self.found, self.cfg)
+        """Before the first start: the checkpoint to resume fits this run (its model, global batch
+        and data), and the cluster can ever hold the run."""
+        check_fits(self.found, self.cfg, data_identity(self.cfg.data) if self.found else None)
         self.shape = resolve_shape(self.cfg)
         check_capacity(self.shape, self.scaling.min_dp)
         announce(self.cfg, self.scaling, self.shape.use_gpu)

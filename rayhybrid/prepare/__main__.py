@@ -31,8 +31,11 @@ EXAMPLES = """Examples:
 
 
 def help_text() -> str:
+    from rayhybrid.prepare.formats import FORMATS
+
     head = __doc__.strip().split("\n\n")
-    return "\n\n".join([head[0], "Settings (key=value):\n" + usage(), *head[1:], EXAMPLES])
+    formats = "Input formats (format=...):\n" + "\n".join(f"  {f.name}\n      {f.help}" for f in FORMATS.values())
+    return "\n\n".join([head[0], "Settings (key=value):\n" + usage(), formats, *head[1:], EXAMPLES])
 
 
 def private_log() -> tuple[int, str]:

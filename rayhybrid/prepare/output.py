@@ -22,7 +22,7 @@ from importlib import metadata
 
 from rayhybrid.data.prepared import FORMAT, INDEX, VERSION, Index, held_out_documents
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage.store import Store, one_line, validate_url
+from rayhybrid.storage.store import Store, one_line, open_store
 
 PROBE = ".rayhybrid-prepare-probe"
 STEM = "shard-"
@@ -33,11 +33,7 @@ FINGERPRINTED = ("sources", "tokenizer", "bos", "input", "documents", "tokens", 
 
 def open_output(url: str, options: dict, inputs) -> Store:
     """The output store, checked: a known protocol, not inside the input, writable."""
-    validate_url("output", url)
-    try:
-        store = Store.open(url, options)
-    except ValueError as err:
-        raise ConfigError("output", f"cannot open {url}: {err}") from None
+    store = open_store(url, options, setting="output")
     same_fs = type(store.fs) is type(inputs.fs)
     if same_fs and inputs.base and (store.root + "/").startswith(inputs.base.rstrip("/") + "/"):
         raise ConfigError(
@@ -60,12 +56,12 @@ def open_output(url: str, options: dict, inputs) -> Store:
 
 def make_recipe(inputs, tokenizer, cfg) -> dict:
     """What the token stream follows from: sources and sizes, tokenizer, bos, format, field
-    (none for text: a file is a document) and the held-out fraction."""
+    (none for a format whose file is a document: text) and the held-out fraction."""
     return {
         "sources": [{"path": s.url, "size": s.size} for s in inputs.files],
         "tokenizer": tokenizer.facts(),
         "bos": bool(cfg.bos),
-        "input": {"format": inputs.format, "field": None if inputs.format == "text" else cfg.field},
+        "input": {"format": inputs.format.name, "field": cfg.field if inputs.format.field else None},
         "val_fraction": float(cfg.val_fraction),
     }
 

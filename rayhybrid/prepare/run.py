@@ -38,8 +38,6 @@ from rayhybrid.storage.visibility import check_storage, first_refusal
 log = logging.getLogger(__name__)
 
 TASK_CPUS = 0.5  # each read and write task: two of them fit in the CPU the actors leave free
-BATCH_DOCUMENTS = {"text": 16}  # documents per tokenizer call: whole files for text
-DEFAULT_BATCH = 256
 READ_TASKS = 200
 READ_TASK_BYTES = 256 << 20
 
@@ -60,7 +58,7 @@ def prepare(cfg: PrepareConfig) -> Prepared:
     """Prepare `cfg.input` into `cfg.output` (see the module's docstring); raises ConfigError
     (a one-line refusal naming the setting) or RayHybridError (a failure)."""
     inputs = list_inputs(cfg.input, cfg.format, cfg.storage_options)
-    if inputs.format != "text":
+    if inputs.format.field:
         check_field(inputs, cfg.field)
     store = open_output(cfg.output, cfg.storage_options, inputs)
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.bos)
@@ -77,7 +75,7 @@ def prepare(cfg: PrepareConfig) -> Prepared:
         len(inputs.files),
         _size(inputs.num_bytes),
         inputs.display,
-        inputs.format if inputs.format == "text" else f"{inputs.format}, field {cfg.field!r}",
+        f"{inputs.format.name}, field {cfg.field!r}" if inputs.format.field else inputs.format.name,
     )
     try:
         shards, seconds = tokenize_and_write(cfg, inputs, tokenizer, store)
@@ -191,7 +189,7 @@ def read_dataset(inputs: Inputs, field: str, runtime_env: dict | None):
 
     files = inputs.readable
     items = ray.data.from_items([{"path": s.path} for s in files], override_num_blocks=read_tasks(files))
-    kwargs = {"fs": inputs.fs, "fmt": inputs.format, "field": field, "protocol": inputs.protocol}
+    kwargs = {"fs": inputs.fs, "fmt": inputs.format, "field": field, "protocol": inputs.protocol}  # the Format itself
     remote = {"num_cpus": TASK_CPUS, "runtime_env": runtime_env}
     # Not fused into the tokenizers' operator (Ray Data fuses maps whose remote args agree): the
     # fused operator would bundle the file names up to a tokenizer batch, so one actor would
@@ -261,7 +259,7 @@ def tokenize_and_write(
                 fn_constructor_kwargs=kwargs,
                 compute=ray.data.ActorPoolStrategy(size=workers),
                 num_cpus=cpus,
-                batch_size=BATCH_DOCUMENTS.get(inputs.format, DEFAULT_BATCH),
+                batch_size=inputs.format.batch_documents,
                 batch_format="numpy",
             )
             ds.write_datasink(sink, ray_remote_args={"num_cpus": TASK_CPUS, "runtime_env": task_env})

@@ -14,10 +14,10 @@ import numpy as np
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
-from rayhybrid.data.prepared import lengths_bytes, open_store, shard_files
+from rayhybrid.data.prepared import lengths_bytes, shard_files
 from rayhybrid.errors import RayHybridError
 from rayhybrid.prepare.reading import TaskFailed
-from rayhybrid.storage.store import one_line, redact_url
+from rayhybrid.storage.store import one_line, open_store, redact_url
 
 
 class ShardSink(Datasink):
@@ -43,7 +43,8 @@ class ShardSink(Datasink):
             raise TaskFailed(f"writing {where}: {one_line(err)}") from None
 
     def _write(self, blocks, ctx) -> dict:
-        fs, root = open_store(self.url, self.options)
+        store = open_store(self.url, self.options, setting="output")
+        fs, root = store.fs, store.root
         token_file, lengths_file = (f"{root}/{name}" for name in shard_files(ctx.task_idx))
         lengths: list[np.ndarray] = []
         num_bytes, out = 0, None
@@ -76,7 +77,8 @@ class ShardSink(Datasink):
 def renumber(url: str, options: dict, written: list[dict]) -> list[dict]:
     """Rename the shards written by tasks (sorted by task index) to consecutive numbers.
     Safe in ascending order: shard j's new name was either free or already moved away."""
-    fs, root = open_store(url, options)
+    store = open_store(url, options, setting="output")
+    fs, root = store.fs, store.root
     shards = []
     for number, result in enumerate(written):
         if result["task"] != number:

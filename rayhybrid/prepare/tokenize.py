@@ -30,6 +30,7 @@ import numpy as np
 
 from rayhybrid.data.prepared import token_dtype
 from rayhybrid.errors import ConfigError, RayHybridError
+from rayhybrid.prepare.formats import Format, get
 from rayhybrid.prepare.reading import TaskFailed, shown
 from rayhybrid.storage.store import one_line
 
@@ -176,7 +177,9 @@ class Tokenize:
     """Ray Data's stateful UDF: a batch of documents -> one row holding their tokens (bytes of
     `dtype`, little-endian) and their lengths (int64 bytes), in the batch's order."""
 
-    def __init__(self, *, tokenizer: TokenizerInfo, fmt: str, field: str, bos: bool, protocol: str, threads: int):
+    def __init__(
+        self, *, tokenizer: TokenizerInfo, fmt: str | Format, field: str, bos: bool, protocol: str, threads: int
+    ):
         # Set here, not with a runtime_env (a worker process of its own: seconds per actor), and
         # before the first encode builds the Rust thread pool: as many threads as CPUs reserved.
         os.environ["RAYON_NUM_THREADS"] = str(threads)
@@ -187,14 +190,14 @@ class Tokenize:
         else:
             tok = load_files(tokenizer.files)
             self.encode = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]
-        self.fmt, self.field, self.protocol = fmt, field, protocol
+        self.fmt, self.field, self.protocol = get(fmt), field, protocol
         self.eos_id, self.bos_id = tokenizer.eos_id, tokenizer.bos_id if bos else None
         self.dtype = np.dtype(tokenizer.dtype).newbyteorder("<")
 
     def texts(self, batch: dict) -> list[str]:
         """The batch's documents as text; ConfigError naming the file of a bad one."""
         paths = batch.get("path")
-        if self.fmt == "text":
+        if not self.fmt.field:  # a file is a document: its bytes, decoded here
             out = []
             for data, path in zip(batch["bytes"], paths):
                 try:

@@ -7,6 +7,26 @@ retention (`checkpoints.py`), and the start-up check that every node sees the sa
     from rayhybrid.storage import checkpoints
 """
 
-from rayhybrid.storage.store import Store, forwarded_env, is_remote, one_line, redact, redact_url, scrub, secret_values
+from rayhybrid.storage.store import (
+    Store,
+    forwarded_env,
+    is_remote,
+    one_line,
+    open_store,
+    redact,
+    redact_url,
+    scrub,
+    secret_values,
+)
 
-__all__ = ["Store", "forwarded_env", "is_remote", "one_line", "redact", "redact_url", "scrub", "secret_values"]
+__all__ = [
+    "Store",
+    "forwarded_env",
+    "is_remote",
+    "one_line",
+    "open_store",
+    "redact",
+    "redact_url",
+    "scrub",
+    "secret_values",
+]

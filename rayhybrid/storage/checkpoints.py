@@ -11,7 +11,9 @@ marker: `meta.json`, written last, by rank 0, once DCP's `.metadata` says every 
 complete (one PUT: an object is either absent or whole). It records the trainer state (step,
 consumed_samples, topology, ...) and the size of every file, so a truncated or partly deleted
 checkpoint is detected without reading it. Readers take only committed steps; an uncommitted
-directory is never loaded, and the next commit deletes it (`retain`).
+directory is never loaded, and the next commit deletes it (`retain`). Whether a checkpoint fits
+a run (its model, global batch and data) is `rayhybrid.driver.compatibility.check_fits`,
+asked once, by the driver.
 """
 
 from __future__ import annotations

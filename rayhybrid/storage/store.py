@@ -1,12 +1,16 @@
-"""Where checkpoints live: a local path, a shared mount, or any fsspec URL (s3://, gs://, ...).
+"""Where a run's files live: a local path, a shared mount, or any fsspec URL (s3://, gs://, ...),
+for checkpoints, prepared data and `python -m rayhybrid.prepare`'s input and output alike.
 
-    store = Store.open("s3://bucket/runs/a", {"endpoint_url": ...})   # checkpoint.dir, .storage_options
+    store = open_store("s3://bucket/runs/a", {"endpoint_url": ...}, setting="checkpoint.dir")
     store.join("step_00000050", "meta.json")     # a path inside it, in the filesystem's own form
-    store.url(path)                              # the same path as a URL, for DCP and for users
+    store.url_of(path)                           # the same path as a URL, for DCP and for users
 
-Credentials come the way each store's users expect: its environment variables and files (for
-S3: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws/...), or `checkpoint.storage_options` handed to
-fsspec. The driver forwards the environment variables (`forwarded_env`) to the workers through
+`open_store` is the one way a setting's store is opened (checkpoint.dir with
+checkpoint.storage_options, data.path, data.val_path and data.mix with data.storage_options,
+prepare's input and output with its storage_options): a one-line ConfigError naming the setting
+when it cannot be. Credentials come the way each store's users expect: its environment variables
+and files (for S3: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws/...), or the setting's
+`storage_options` handed to fsspec. The driver forwards the environment variables (`forwarded_env`) to the workers through
 Ray's runtime environment, so nodes started without them still reach the store. Secrets never
 leave the process in clear: `redact` is applied wherever a setting is written or logged.
 
@@ -169,6 +173,25 @@ class Store:
 
     def read_bytes(self, path: str) -> bytes:
         return self.fs.cat_file(path)
+
+
+def open_store(url: str | os.PathLike, options: dict | None = None, *, setting: str) -> Store:
+    """The store at `url`, opened with `options` (the setting's storage_options): the one way a
+    setting's store is opened. A one-line ConfigError naming `setting` when the protocol is
+    unknown, its package is not installed (s3fs for s3://) or fsspec refuses the options; the
+    URL is shown without credentials."""
+    url = os.fspath(url)
+    validate_url(setting, url)
+    try:
+        return Store.open(url, options)
+    except ValueError as err:
+        missing = "not installed" in str(err)
+        fix = (
+            "install the store's fsspec package (e.g. s3fs, gcsfs)"
+            if missing
+            else "check the URL and its storage_options"
+        )
+        raise ConfigError(setting, f"{redact_url(url)}: {err}; {fix}") from None
 
 
 def one_line(err: BaseException) -> str:

@@ -70,19 +70,10 @@ def trainer_meta(trainer) -> dict:
 
 def restore(trainer, path: str, meta: dict) -> None:
     """Load the checkpoint at `path` (its committed `meta`) into `trainer`'s stages, optimizers
-    and RNG, whatever topology wrote it; refused under another global batch. The trainer's step
-    counters are the caller's to set."""
-    if meta["global_batch_size"] != trainer.cfg.train.global_batch_size:
-        raise ValueError(
-            f"checkpoint {path} was trained with train.global_batch_size={meta['global_batch_size']}; "
-            f"resume with the same global batch (it fixes the sample stream and the LR schedule)"
-        )
-    recorded, now = meta.get("data"), trainer.stream.identity()
-    if recorded is not None and recorded != now:
-        raise ValueError(
-            f"checkpoint {path} was trained on other data ({recorded}, here {now}); resume with the same "
-            "data settings (they fix which sample each step reads), or train into a new checkpoint.dir"
-        )
+    and RNG, whatever topology wrote it. Whether it fits this run (model, global batch, data)
+    was asked once, by the driver before any worker started
+    (`rayhybrid.driver.compatibility.check_fits`). The trainer's step counters are the caller's
+    to set."""
     load(trainer, path, trainer.cfg.checkpoint.storage_options)
 
 
