@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as err:
             fail(err, CONFIG_EXIT_CODE)
     register_schema()
-    sys.argv = [sys.argv[0], *normalize_overrides(argv)]
+    try:  # --cfg job and the other Hydra flags skip the checks above, not the spelling's
+        sys.argv = [sys.argv[0], *normalize_overrides(argv)]
+    except ConfigError as err:
+        fail(err, CONFIG_EXIT_CODE)
     hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")(task)()
 
 

@@ -68,6 +68,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, words):
     assert not (tmp_path / "run").exists(), "validation must fail before a run directory is made"
 
 
+def test_an_old_spelling_under_a_hydra_flag_exits_2_with_one_line(tmp_path):
+    """`--cfg job` skips the run's checks (it prints the config), not the spelling check of a
+    model family's setting: one line naming the new spelling, no traceback."""
+    proc = run_cli(["--cfg", "job", "model=llama3_debug", "model.rope_theta=5"], cwd=tmp_path, timeout=60)
+    assert_one_line_error(proc, "model.rope_theta", "model.options.rope_theta")
+
+
 def test_more_ranks_than_cluster_can_place(tmp_path):
     # A local Ray with 4 logical CPUs can never hold 8 ranks of one CPU each.
     proc = run_cli(["+topology=dp2_pp2_tp2", "cluster.num_cpus=4", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
