@@ -20,15 +20,14 @@ log = logging.getLogger("rayhybrid")
 TRACKING_FILE = "tracking.json"
 """At the root of the checkpoint store: the tracker runs' ids and the last step each logged."""
 BACKENDS: tuple[type[Tracker], ...] = (MLflowTracker, WandbTracker, TensorBoardTracker)
-"""In the order they start (and get each record)."""
-CHECKED: tuple[type[Tracker], ...] = (WandbTracker, MLflowTracker, TensorBoardTracker)
-"""In the order their settings are checked."""
+"""The one registry of trackers: a new backend is a `Tracker` subclass in its own module, added
+here. In the order they are checked and start (and get each record)."""
 
 
 def check_settings(cfg: Config) -> None:
     """Raise ConfigError for a tracker setting that cannot work, from the settings alone: an
     unknown W&B mode, an empty project or experiment, a bad tag. Reads nothing else."""
-    for backend in CHECKED:
+    for backend in BACKENDS:
         if backend.enabled(cfg):
             backend.check_settings(cfg)
 
@@ -38,7 +37,7 @@ def check_environment(cfg: Config) -> None:
     installed, W&B online without credentials, a database tracking URI that mlflow-skinny cannot
     use. Imports a package only when its tracker is enabled. Once per command
     (`rayhybrid.preflight.check_environment`), after `check_settings`."""
-    for backend in CHECKED:
+    for backend in BACKENDS:
         if backend.enabled(cfg):
             backend.check_environment(cfg)
 
