@@ -81,3 +81,23 @@ def test_every_name_of_an_invariant_is_in_the_files_it_names(label, name, paths)
 @pytest.mark.parametrize("name", sorted({t for t in ticked(DESIGN) if re.match(r"^[\w]+\.py$", t)}))
 def test_every_module_the_design_names_by_file_name_exists(name):
     assert list((ROOT / "rayhybrid").rglob(name)) or list((ROOT / "tests").glob(name)), name
+
+
+def test_the_import_diagram_names_every_room():
+    """Every room of tests/test_house.py's FLOORS is in the design's import-direction diagram
+    (`prepare/` was missing from it)."""
+    from tests.test_house import FLOORS
+
+    diagram = DESIGN.split("### Import direction", 1)[1].split("```", 2)[1]
+    named = set(re.findall(r"([\w/]+\.py|[\w]+/)", diagram))
+    missing = []
+    for room in FLOORS:
+        parts = room.split(".")[1:]
+        if not parts:
+            continue  # the package itself
+        shown = "/".join(parts) + (
+            "/" if len(parts) == 1 and not room.endswith(("preflight", "api", "errors", "__main__")) else ".py"
+        )
+        if shown not in named:
+            missing.append(shown)
+    assert missing == [], f"docs/design.md's import diagram lacks {missing}"
