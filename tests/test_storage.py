@@ -273,7 +273,8 @@ class FakeTrainer:
         opt.zero_grad()
         self.step += 1
 
-    def checkpoint_meta(self) -> dict:
+    def meta(self) -> dict:
+        """What the trainer's `Checkpoints` commits with a save (`trainer_meta`), in short."""
         return {"step": self.step, "consumed_samples": 8 * self.step}
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -289,7 +290,7 @@ def saver(gloo, url):
     """A trained FakeTrainer and an asynchronous Saver for `url` (keep 2); closed at the end."""
     trainer = FakeTrainer(gloo, seed=0)
     trainer.train()
-    saver = ckpt.Saver(trainer, url, {}, keep=2, async_save=True)
+    saver = ckpt.Saver(trainer, url, {}, keep=2, async_save=True, upload_group=trainer.upload_group)
     yield saver
     saver.wait()
     saver.close()
@@ -324,7 +325,7 @@ def meta_exists(saver, step: int) -> bool:
 
 def test_async_save_commits_after_upload(saver, gate):
     """save() returns while the upload is held; meta.json appears only once it is done."""
-    record = saver.save()
+    record = saver.save(saver.trainer.meta())
     assert record.step == 1 and record.asynchronous and record.upload_s is None and record.finished == ()
     assert record.pending and record.error is None
     assert record.path == saver.store.url_of(saver.store.join("step_00000001"))
@@ -338,10 +339,10 @@ def test_async_save_commits_after_upload(saver, gate):
 
 
 def test_next_save_waits_for_previous(saver, gate):
-    saver.save()
+    saver.save(saver.trainer.meta())
     saver.trainer.train()
     threading.Timer(0.3, gate.set).start()
-    record = saver.save()  # blocks until step 1 is uploaded and committed
+    record = saver.save(saver.trainer.meta())  # blocks until step 1 is uploaded and committed
     assert record.waited_s >= 0.25 and record.blocked_s >= record.waited_s
     [first] = record.finished
     assert first.step == 1 and first.upload_s is not None and first.error is None
@@ -355,8 +356,8 @@ def test_save_then_load_restores_exactly(gloo, url, async_save):
     trainer = FakeTrainer(gloo, seed=0)
     trainer.train()
     trainer.train()
-    saver = ckpt.Saver(trainer, url, {}, keep=2, async_save=async_save)
-    record = saver.save()
+    saver = ckpt.Saver(trainer, url, {}, keep=2, async_save=async_save, upload_group=trainer.upload_group)
+    record = saver.save(saver.trainer.meta())
     rng = torch.get_rng_state()
     if async_save:
         assert record.upload_s is None
@@ -390,8 +391,8 @@ def test_storage_options_reach_dcp(gloo, s3, monkeypatch, request):
     url, options = f"s3://{BUCKET}/options", {"endpoint_url": s3, "config_kwargs": {"retries": {"max_attempts": 1}}}
     trainer = FakeTrainer(gloo, seed=0)
     trainer.train()
-    saver = ckpt.Saver(trainer, url, options, keep=1, async_save=True)
-    saver.save()
+    saver = ckpt.Saver(trainer, url, options, keep=1, async_save=True, upload_group=trainer.upload_group)
+    saver.save(saver.trainer.meta())
     [record] = saver.wait()
     saver.close()
     assert record.error is None, record
@@ -423,11 +424,11 @@ def test_failed_upload_is_reported_not_committed(saver, failing):
     """A write that fails in the upload thread becomes a record with a one-line "error" naming
     it (the thread writes with DCP's writer directly, so the error is the writer's own, not
     DCP's CheckpointException); the previous checkpoint stays the latest."""
-    saver.save()
+    saver.save(saver.trainer.meta())
     assert saver.wait()[0].error is None
     failing()
     saver.trainer.train()
-    saver.save()
+    saver.save(saver.trainer.meta())
     [failed] = saver.wait()
     assert failed.step == 2 and failed.upload_s is None
     assert failed.error.startswith("OSError") and "\n" not in failed.error
@@ -438,14 +439,14 @@ def test_failed_upload_is_reported_not_committed(saver, failing):
 
 def test_failed_upload_error_names_the_cause(saver, failing):
     failing()
-    saver.save()
+    saver.save(saver.trainer.meta())
     [failed] = saver.wait()
     assert "disk on fire" in failed.error, failed.error
 
 
 def test_close_abandons_the_upload(saver, gate):
     """close() while the upload runs (a failed world): the save is never committed."""
-    saver.save()
+    saver.save(saver.trainer.meta())
     saver.close()
     gate.set()
     [abandoned] = saver.wait()
