@@ -181,6 +181,24 @@ def settled() -> None:
     time.sleep(0.05)
 
 
+def first_step(rank: int, cfgs: dict) -> dict[str, dict]:
+    """For each labelled config (one stage, no pipeline): the first step's loss as the trainer
+    reports it, beside the untrained model's logits for that step's whole batch and its
+    targets, so the test can compute the loss directly."""
+    from rayhybrid.trainer.loop import Trainer
+
+    out = {}
+    for label, cfg in cfgs.items():
+        tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+        ((_, model),) = tr.stages
+        inputs, targets = tr.stream.batch(0, cfg.train.global_batch_size)
+        with torch.no_grad():
+            logits = model(inputs)
+        out[label] = {"loss": tr.train_step().metrics["loss"], "logits": logits, "targets": targets}
+        del tr
+    return out
+
+
 def train_many(rank: int, cfgs: dict, steps: int) -> dict[str, list[dict]]:
     """For each labelled config in turn: a fresh `Trainer`, `steps` calls of `train_step()`;
     {label: every step's metrics}. All configs need the same world size. Running several

@@ -126,8 +126,11 @@ class Trainer:
         }
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy over the replica's token count: micro-batch losses add
-        up to the replica's mean loss, and averaging over dp gives the global batch's mean."""
+        """The model family's loss (`ModelSpec.loss`), else the token cross-entropy, summed over
+        the micro-batch and divided by the replica's token count: micro-batch losses add up to
+        the replica's mean loss, and averaging over dp gives the global batch's mean."""
+        if self.spec.loss is not None:
+            return self.spec.loss(logits, targets) / self.replica_tokens
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
         return loss / self.replica_tokens
 
