@@ -290,7 +290,8 @@ def checkpoint_then_continue(rank: int, cfg, root: str, before: int, after: int)
 
 def resume_many(rank: int, cfgs: dict, root: str, steps: int) -> dict[str, dict]:
     """For each labelled config: a fresh `Trainer` restored from the newest checkpoint in
-    `root` (whatever topology wrote it), then `steps` steps; {label: {"step", "losses"}}."""
+    `root` (whatever topology wrote it), then `steps` steps; {label: {"start", "restored" (the
+    RestoreResult), "losses", "consumed"}}."""
     from rayhybrid.storage import checkpoints as checkpoint_store
     from rayhybrid.trainer.loop import Trainer
 
@@ -299,11 +300,12 @@ def resume_many(rank: int, cfgs: dict, root: str, steps: int) -> dict[str, dict]
     for label, cfg in cfgs.items():
         try:
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
-            tr.load_checkpoint(str(ckpt.path), ckpt.meta)
+            restored = tr.load_checkpoint(str(ckpt.path), ckpt.meta)
             start = tr.step
             metrics = [tr.train_step().metrics for _ in range(steps)]
             out[label] = {
                 "start": start,
+                "restored": restored,
                 "losses": [m["loss"] for m in metrics],
                 "consumed": [m["consumed_samples"] for m in metrics],
             }
@@ -419,7 +421,8 @@ def train_save_resume(
     labelled `source` saves a checkpoint into `root` after `before` steps); then each config of
     `resume` is restored from that checkpoint and trains `after` steps. All configs need the
     same world size. {"fresh": {label: every step's metrics}, "path": the checkpoint,
-    "resumed": {label: {"start", "losses", "consumed", "shared" (see shared_parameters)}},
+    "resumed": {label: {"start", "restored" (the RestoreResult), "losses", "consumed", "shared"
+    (see shared_parameters)}},
     "tensors": {label: {name: full tensor}} of the parameters named in `tensors` this rank
     holds at the end of each fresh run, per stage: [(stage index, name, tensor)]}."""
     from torch.distributed.tensor import DTensor
@@ -457,11 +460,12 @@ def train_save_resume(
     for label, cfg in resume.items():
         try:
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
-            tr.load_checkpoint(str(ckpt.path), ckpt.meta)
+            restored = tr.load_checkpoint(str(ckpt.path), ckpt.meta)
             start, shared = tr.step, shared_parameters(tr)
             metrics = [tr.train_step().metrics for _ in range(after)]
             out["resumed"][label] = {
                 "start": start,
+                "restored": restored,
                 "losses": [m["loss"] for m in metrics],
                 "consumed": [m["consumed_samples"] for m in metrics],
                 "shared": shared,

@@ -94,6 +94,8 @@ def test_reshard_single_rank(source):
 
 def check(resumed: dict, expected: list[float]) -> None:
     assert resumed["start"] == BEFORE
+    restored = resumed["restored"]  # the trainer's RestoreResult: the step and position it restored
+    assert (restored.step, restored.consumed_samples) == (BEFORE, BEFORE * 8) and restored.seconds > 0
     assert resumed["consumed"] == [(BEFORE + i + 1) * 8 for i in range(AFTER)]
     assert resumed["losses"] == pytest.approx(expected, rel=RTOL)
 
