@@ -161,7 +161,7 @@ def measure(rank: int, cfgs: dict, steps: int, forward: tuple[str, ...]) -> dict
                 for _ in range(2):  # the lower of two, each read once gloo has settled
                     with tr.memory.step():
                         tr.memory.phase(0, "forward")
-                        with tr._step_context():
+                        with tr.step_context():
                             loss = tr.loss_fn(model(x), y)
                             settled()
                             saved.append(_by_category(tr.memory.tracker._curr_mem_snap)["Activation"])
