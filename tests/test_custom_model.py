@@ -17,7 +17,7 @@ import pytest
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
 from rayhybrid.errors import ConfigError
 from rayhybrid.preflight import load_config
-from tests.distributed import run_configs, train_many
+from tests.distributed import first_step, run_configs, train_many
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "custom_model"
@@ -240,3 +240,27 @@ def test_loss_parity_dp1_vs_dp2_pp2_tp2():
         for rank, result in enumerate(runs):
             loss = [m["loss"] for m in result[label]]
             assert loss == pytest.approx(reference, rel=1e-5), f"rank {rank}, {label}: {loss} != {reference}"
+
+
+def test_a_family_with_its_own_loss_trains_with_it():
+    """`ModelSpec.loss`: a family that brings its own loss (tests/z_loss.py: the example with
+    cross-entropy plus z-loss) is trained with it. The first step's loss is that loss of the
+    step's batch computed directly, over its tokens, and not the default cross-entropy that the
+    same model and batch give (and that a trainer ignoring the hook reports)."""
+    import torch
+    from torch.nn import functional as F
+
+    from tests import z_loss
+
+    cfgs = {"own": dataclasses.replace(BASE, model=ModelConfig(module="tests.z_loss")), "default": BASE}
+    (ranks,) = run_configs(first_step, cfgs)
+    logits, targets = ranks["own"]["logits"], ranks["own"]["targets"]
+    # The same initial weights and batch: the family's loss is all that differs.
+    assert torch.equal(logits, ranks["default"]["logits"]) and torch.equal(targets, ranks["default"]["targets"])
+    assert targets.numel() == BASE.train.global_batch_size * BASE.data.seq_len
+    flat = logits.flatten(0, 1).float()
+    plain = float(F.cross_entropy(flat, targets.flatten()))
+    own = plain + z_loss.Z_WEIGHT * float(flat.logsumexp(dim=-1).square().mean())
+    assert own - plain > 0.1, (own, plain)
+    assert ranks["own"]["loss"] == pytest.approx(own, rel=1e-5)
+    assert ranks["default"]["loss"] == pytest.approx(plain, rel=1e-5)

@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 OBSERVABILITY = (ROOT / "docs" / "observability.md").read_text()
 README = (ROOT / "README.md").read_text()
 
-STEP_ONLY_IN_WORKERS = {"data_read"}
-"""StepMetrics keys that never reach metrics.jsonl (data.trace's rows go to data_trace/)."""
+STEP_ONLY_IN_WORKERS = {"data_read", "samples_read", "trace"}
+"""StepMetrics keys that never reach metrics.jsonl: data.trace's rows go to data_trace/, a rank's
+own `samples_read` is merged into `samples`, and metrics.trace_steps' spans go to trace.json."""
 STEP_EXTRAS = {"vote_s", "cpu_s"}
 """Step record fields the trainer writes that StepMetrics does not declare."""
 

@@ -171,7 +171,7 @@ def measure(rank: int, cfgs: dict, steps: int, forward: tuple[str, ...]) -> dict
         try:
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
             row = {"local_params": tr.describe()["local_params"]}
-            row["peak_mb"] = steady_peak_mb([tr.train_step() for _ in range(steps)])
+            row["peak_mb"] = steady_peak_mb([tr.train_step().metrics for _ in range(steps)])
             if label in forward:
                 ((_, model),) = tr.stages
                 x, y = tr.stream.batch(0, cfg.train.micro_batch_size)
@@ -179,7 +179,7 @@ def measure(rank: int, cfgs: dict, steps: int, forward: tuple[str, ...]) -> dict
                 for _ in range(2):  # the lower of two, each read once gloo has settled
                     with tr.memory.step():
                         tr.memory.phase(0, "forward")
-                        with tr._step_context():
+                        with tr.step_context():
                             loss = tr.loss_fn(model(x), y)
                             settled()
                             saved.append(_by_category(tr.memory.tracker._curr_mem_snap)["Activation"])

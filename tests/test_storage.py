@@ -275,7 +275,8 @@ class FakeTrainer:
         opt.zero_grad()
         self.step += 1
 
-    def checkpoint_meta(self) -> dict:
+    def meta(self) -> dict:
+        """What the trainer's `Checkpoints` commits with a save (`trainer_meta`), in short."""
         return {"step": self.step, "consumed_samples": 8 * self.step}
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -291,7 +292,7 @@ def saver(gloo, url):
     """A trained FakeTrainer and an asynchronous Saver for `url` (keep 2); closed at the end."""
     trainer = FakeTrainer(gloo, seed=0)
     trainer.train()
-    saver = ckpt.Saver(trainer, url, {}, keep=2, async_save=True)
+    saver = ckpt.Saver(trainer, url, {}, keep=2, async_save=True, upload_group=trainer.upload_group)
     yield saver
     saver.wait()
     saver.close()
@@ -326,28 +327,29 @@ def meta_exists(saver, step: int) -> bool:
 
 def test_async_save_commits_after_upload(saver, gate):
     """save() returns while the upload is held; meta.json appears only once it is done."""
-    record = saver.save()
-    assert record["step"] == 1 and record["async"] and "upload_s" not in record and record["finished"] == []
-    assert record["path"] == saver.store.url_of(saver.store.join("step_00000001"))
+    record = saver.save(saver.trainer.meta())
+    assert record.step == 1 and record.asynchronous and record.upload_s is None and record.finished == ()
+    assert record.pending and record.error is None
+    assert record.path == saver.store.url_of(saver.store.join("step_00000001"))
     assert saver.poll() == [] and not meta_exists(saver, 1) and cs.latest(saver.store) is None
     gate.set()
     [done] = saver.wait()
-    assert done["step"] == 1 and "error" not in done
-    assert done["upload_s"] >= 0 and 0 <= done["blocked_s"] == record["blocked_s"]
+    assert done.step == 1 and done.error is None and not done.pending
+    assert done.upload_s >= 0 and 0 <= done.blocked_s == record.blocked_s
     assert meta_exists(saver, 1) and cs.latest(saver.store).meta["consumed_samples"] == 8
     assert saver.wait() == [] and saver.poll() == []
 
 
 def test_next_save_waits_for_previous(saver, gate):
-    saver.save()
+    saver.save(saver.trainer.meta())
     saver.trainer.train()
     threading.Timer(0.3, gate.set).start()
-    record = saver.save()  # blocks until step 1 is uploaded and committed
-    assert record["waited_s"] >= 0.25 and record["blocked_s"] >= record["waited_s"]
-    [first] = record["finished"]
-    assert first["step"] == 1 and "upload_s" in first and "error" not in first
+    record = saver.save(saver.trainer.meta())  # blocks until step 1 is uploaded and committed
+    assert record.waited_s >= 0.25 and record.blocked_s >= record.waited_s
+    [first] = record.finished
+    assert first.step == 1 and first.upload_s is not None and first.error is None
     [second] = saver.wait()
-    assert second["step"] == 2 and "error" not in second
+    assert second.step == 2 and second.error is None
     assert steps(cs.committed(saver.store)) == [1, 2]
 
 
@@ -356,16 +358,17 @@ def test_save_then_load_restores_exactly(gloo, url, async_save):
     trainer = FakeTrainer(gloo, seed=0)
     trainer.train()
     trainer.train()
-    saver = ckpt.Saver(trainer, url, {}, keep=2, async_save=async_save)
-    record = saver.save()
+    saver = ckpt.Saver(trainer, url, {}, keep=2, async_save=async_save, upload_group=trainer.upload_group)
+    record = saver.save(saver.trainer.meta())
     rng = torch.get_rng_state()
     if async_save:
-        assert "upload_s" not in record
+        assert record.upload_s is None
         [record] = saver.wait()
-    assert record["upload_s"] >= 0 and record["blocked_s"] >= 0 and "error" not in record
+    assert record.upload_s >= 0 and record.blocked_s >= 0 and record.error is None
+    assert record.asynchronous == async_save
     saver.close()
     latest = cs.latest(Store.open(url))
-    assert latest.step == 2 and latest.path == record["path"]
+    assert latest.step == 2 and latest.path == record.path
 
     other = FakeTrainer(gloo, seed=1)
     torch.rand(5)  # move the RNG on: load must bring it back
@@ -390,15 +393,15 @@ def test_storage_options_reach_dcp(gloo, s3, monkeypatch, request):
     url, options = f"s3://{BUCKET}/options", {"endpoint_url": s3, "config_kwargs": {"retries": {"max_attempts": 1}}}
     trainer = FakeTrainer(gloo, seed=0)
     trainer.train()
-    saver = ckpt.Saver(trainer, url, options, keep=1, async_save=True)
-    saver.save()
+    saver = ckpt.Saver(trainer, url, options, keep=1, async_save=True, upload_group=trainer.upload_group)
+    saver.save(saver.trainer.meta())
     [record] = saver.wait()
     saver.close()
-    assert "error" not in record, record
+    assert record.error is None, record
     assert f"{BUCKET}/options/step_00000001/meta.json" in objects(url, s3)
     assert cs.latest(Store.open(url, options)).step == 1
     other = FakeTrainer(gloo, seed=1)
-    ckpt.load(other, record["path"], options)
+    ckpt.load(other, record.path, options)
     assert torch.equal(other.tensors()["param.1.bias"], trainer.tensors()["param.1.bias"])
 
 
@@ -423,14 +426,14 @@ def test_failed_upload_is_reported_not_committed(saver, failing):
     """A write that fails in the upload thread becomes a record with a one-line "error" naming
     it (the thread writes with DCP's writer directly, so the error is the writer's own, not
     DCP's CheckpointException); the previous checkpoint stays the latest."""
-    saver.save()
-    assert "error" not in saver.wait()[0]
+    saver.save(saver.trainer.meta())
+    assert saver.wait()[0].error is None
     failing()
     saver.trainer.train()
-    saver.save()
+    saver.save(saver.trainer.meta())
     [failed] = saver.wait()
-    assert failed["step"] == 2 and "upload_s" not in failed
-    assert failed["error"].startswith("OSError") and "\n" not in failed["error"]
+    assert failed.step == 2 and failed.upload_s is None
+    assert failed.error.startswith("OSError") and "\n" not in failed.error
     assert not meta_exists(saver, 2)
     assert cs.latest(saver.store).step == 1
     assert steps(cs.committed(saver.store)) == [1]
@@ -438,18 +441,18 @@ def test_failed_upload_is_reported_not_committed(saver, failing):
 
 def test_failed_upload_error_names_the_cause(saver, failing):
     failing()
-    saver.save()
+    saver.save(saver.trainer.meta())
     [failed] = saver.wait()
-    assert "disk on fire" in failed["error"], failed["error"]
+    assert "disk on fire" in failed.error, failed.error
 
 
 def test_close_abandons_the_upload(saver, gate):
     """close() while the upload runs (a failed world): the save is never committed."""
-    saver.save()
+    saver.save(saver.trainer.meta())
     saver.close()
     gate.set()
     [abandoned] = saver.wait()
-    assert abandoned["step"] == 1 and abandoned["error"].startswith("abandoned")
+    assert abandoned.step == 1 and abandoned.error.startswith("abandoned")
     assert not meta_exists(saver, 1) and cs.latest(saver.store) is None
 
 

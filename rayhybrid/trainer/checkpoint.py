@@ -42,6 +42,7 @@ from rayhybrid.models.layers import tied_names
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store, one_line
 from rayhybrid.trainer import upload
+from rayhybrid.trainer.results import RestoreResult, SaveResult
 
 log = logging.getLogger(__name__)
 
@@ -170,18 +171,81 @@ def _as_exception():
         raise RuntimeError(one_line(err)) from err
 
 
+class Checkpoints:
+    """One rank's checkpoints, owned by its `Trainer`: saving the trainer's state into a store
+    (through a `Saver`, made again when the root or the retention changes), the asynchronous
+    saves that ended since they were last asked for, and restoring a checkpoint.
+
+        checkpoints.save(root, keep)   # -> SaveResult; pending while an async upload runs
+        checkpoints.finished()         # -> the saves that ended (committed, or with `error`)
+        checkpoints.load(path, meta)   # -> RestoreResult; the trainer at the step restored
+        checkpoints.close()            # abandon a save in flight (a failed or rebuilt world)
+    """
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.cfg = trainer.cfg.checkpoint
+        # Asynchronous saves exchange their plans on a CPU group of their own (NCCL cannot carry
+        # Python objects); their upload threads do no collective (trainer/upload.py). Made as the
+        # trainer is built, so every rank creates its process groups in the same order.
+        async_saves = self.cfg.async_save and self.cfg.every > 0
+        self.upload_group = dist.new_group(backend="gloo") if async_saves else None
+        self.saver: Saver | None = None
+
+    def save(self, root: str, keep: int, die_after_write: bool = False) -> SaveResult:
+        """Save the trainer's current step under `root` (a path or URL); with any earlier
+        asynchronous save that ended meanwhile in `finished` (see `Saver`)."""
+        ck = self.cfg
+        if self.saver is None or self.saver.root != root or self.saver.keep != keep:
+            self.close()
+            self.saver = Saver(
+                self.trainer, root, ck.storage_options, keep, ck.async_save, ck.keep_best, self.upload_group
+            )
+        return self.saver.save(trainer_meta(self.trainer), die_after_write)
+
+    def finished(self, wait: bool = False) -> list[SaveResult]:
+        """Asynchronous saves that ended (committed or failed) since the last call; `wait`:
+        wait for the one in flight first."""
+        if self.saver is None:
+            return []
+        return self.saver.wait() if wait else self.saver.poll()
+
+    def close(self) -> None:
+        """Abandon a save in flight (it is never committed); before the process group goes."""
+        if self.saver is not None:
+            self.saver.close()
+            self.saver = None
+
+    def load(self, path: str, meta: dict) -> RestoreResult:
+        """Restore the checkpoint at `path` (its committed `meta`), written under any topology,
+        into the trainer, and set the trainer's position to its step (the LR schedule follows)."""
+        trainer, start = self.trainer, time.perf_counter()
+        trainer.settled = False
+        restore(trainer, path, meta)
+        trainer.step, trainer.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
+        trainer.settled = True
+        return RestoreResult(trainer.step, trainer.consumed_samples, time.perf_counter() - start)
+
+
 class Saver:
     """This rank's side of saving checkpoints into one store (one per trainer and root).
 
-    save()  -> {"step", "path", "blocked_s", ...}   blocks only for staging when async
-    poll()  -> saves finished since the last call: {"step", "path", "blocked_s", "upload_s"}
-               or {"step", "path", "error"}; committed by rank 0 before they are reported
-    wait()  -> the same, after waiting for the save in flight
-    close() -> abandon a save in flight: it is never committed (a failed or rebuilt world)
+    save(meta) -> a SaveResult (`pending` while async); blocks only for staging when async
+    poll()     -> saves finished since the last call: SaveResults with `upload_s`, or with
+                  `error`; committed by rank 0 before they are reported
+    wait()     -> the same, after waiting for the save in flight
+    close()    -> abandon a save in flight: it is never committed (a failed or rebuilt world)
     """
 
     def __init__(
-        self, trainer, root: str, options: dict | None, keep: int, async_save: bool, keep_best: bool = False
+        self,
+        trainer,
+        root: str,
+        options: dict | None,
+        keep: int,
+        async_save: bool,
+        keep_best: bool = False,
+        upload_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.trainer = trainer
         self.root = root
@@ -190,7 +254,7 @@ class Saver:
         self.keep_best = keep_best  # checkpoint.keep_best: retention spares the lowest val_loss
         self.rank = dist.get_rank()
         self.group = trainer.world_group
-        self.upload_group = trainer.upload_group if async_save else None
+        self.upload_group = upload_group if async_save else None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-upload") if async_save else None
         self._inflight: concurrent.futures.Future | None = None
         self._abandon = upload.Abandon()
@@ -199,12 +263,13 @@ class Saver:
     def asynchronous(self) -> bool:
         return self._pool is not None
 
-    def save(self, die_after_write: bool = False) -> dict:
+    def save(self, meta: dict, die_after_write: bool = False) -> SaveResult:
+        """Save the trainer's current step, whose `meta` (`trainer_meta`) is committed with it."""
         trainer, store = self.trainer, self.store
         start = time.perf_counter()
         finished = self.wait()  # the next save waits for the previous one
         waited_s = time.perf_counter() - start
-        step, meta = trainer.step, trainer.checkpoint_meta()
+        step = trainer.step
         if self.rank == 0:
             path = checkpoint_store.begin(store, step)
         else:
@@ -212,7 +277,7 @@ class Saver:
         dist.barrier(group=self.group)  # nothing left of an earlier save of this step
         state, _ = state_dict(trainer)
         out = writer(store, path, die_after_write)
-        record = {"step": step, "path": store.url_of(path), "async": self.asynchronous, "waited_s": waited_s}
+        record = SaveResult(step, store.url_of(path), self.asynchronous, waited_s)
         if not self.asynchronous:
             written = time.perf_counter()
             with _as_exception():
@@ -221,24 +286,24 @@ class Saver:
                 checkpoint_store.commit(store, path, meta)
                 checkpoint_store.retain(store, self.keep, self.keep_best)
             end = time.perf_counter()
-            return {**record, "blocked_s": end - start, "upload_s": end - written, "finished": finished}
+            return dataclasses.replace(record, blocked_s=end - start, upload_s=end - written, finished=tuple(finished))
         planned = upload.plan(state, out, self.upload_group)  # the plans exchanged; a CPU copy of the data
         del state
         staged = time.perf_counter()
-        record["blocked_s"] = staged - start
+        record = dataclasses.replace(record, blocked_s=staged - start)
         # A module-level function holding nothing of the trainer: see rayhybrid/trainer/upload.py.
         self._inflight = self._pool.submit(
             _finish, planned, out, self.store, path, meta, record, staged, self._abandon, self.keep, self.keep_best
         )
-        return {**record, "finished": finished}
+        return dataclasses.replace(record, finished=tuple(finished))
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> list[SaveResult]:
         if self._inflight is None or not self._inflight.done():
             return []
         done, self._inflight = self._inflight.result(), None
         return [done]
 
-    def wait(self) -> list[dict]:
+    def wait(self) -> list[SaveResult]:
         if self._inflight is not None:
             concurrent.futures.wait([self._inflight])
         return self.poll()
@@ -257,21 +322,21 @@ def _finish(
     store: Store,
     path: str,
     meta: dict,
-    record: dict,
+    record: SaveResult,
     staged: float,
     abandon: upload.Abandon,
     keep: int,
     keep_best: bool,
-) -> dict:
+) -> SaveResult:
     """In the upload thread: write this rank's data; rank 0 then commits once every rank's data
     and DCP's .metadata are in the store, unless the save was abandoned meanwhile."""
-    abandoned = {**record, "error": "abandoned: the process group it was written by failed"}
+    abandoned = dataclasses.replace(record, error="abandoned: the process group it was written by failed")
     try:
         upload.upload(planned, out, store, path, abandon)
     except upload.Abandoned:
         return abandoned
     except BaseException as err:  # noqa: BLE001 - a failed write or an abandoned save is reported, never raised
-        return {**record, "error": one_line(err)}
+        return dataclasses.replace(record, error=one_line(err))
 
     def commit() -> None:
         checkpoint_store.commit(store, path, meta)
@@ -282,10 +347,10 @@ def _finish(
             if not abandon.commit_unless_set(commit):
                 return abandoned
         except Exception as err:  # noqa: BLE001 - reported to the driver, never committed
-            return {**record, "error": one_line(err)}
+            return dataclasses.replace(record, error=one_line(err))
     elif abandon.is_set():
         return abandoned
-    return {**record, "upload_s": time.perf_counter() - staged}
+    return dataclasses.replace(record, upload_s=time.perf_counter() - staged)
 
 
 def load(trainer, path: str | Path, options: dict | None = None) -> None:

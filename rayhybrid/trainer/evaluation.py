@@ -42,7 +42,7 @@ class Evaluation:
                 if trainer.has_first or trainer.has_last:
                     inputs, targets = self.held_out.batch(shard.start, shard.count)
                     inputs, targets = inputs.to(trainer.device), targets.to(trainer.device)
-                with trainer._step_context():
+                with trainer.step_context():
                     total += trainer.forward_only(inputs, targets)
         finally:
             trainer.memory = meter

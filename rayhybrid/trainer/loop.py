@@ -2,7 +2,7 @@
 
 trainer = Trainer(cfg, rank=rank, device=device)   # after init_process_group
 for _ in range(cfg.train.steps):
-    metrics = trainer.train_step()
+    result = trainer.train_step()                  # a StepResult: its metrics, the saves that ended
 """
 
 from __future__ import annotations
@@ -24,21 +24,24 @@ from rayhybrid.data.streams import build_stream, replica_shard, trace_rows
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
-from rayhybrid.parallel.pipeline import forward_only as pipeline_forward_only
 from rayhybrid.parallel.tied import TiedCopies
 from rayhybrid.trainer.build import build_memory_meter, build_optimizers, build_pipeline, build_stages
+from rayhybrid.trainer.checkpoint import Checkpoints
 from rayhybrid.trainer.evaluation import Evaluation
 from rayhybrid.trainer.heal import heal_enabled
-from rayhybrid.trainer.instrument import instrument_stage, timed_schedule
+from rayhybrid.trainer.instrument import instrument_stage
 from rayhybrid.trainer.optim import lr_at, set_lr
+from rayhybrid.trainer.passes import Accumulate, Pipelined
+from rayhybrid.trainer.results import RestoreResult, SaveResult, StepMetrics, StepResult
 from rayhybrid.trainer.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """One rank's training: its stages, optimizers and pipeline schedule (trainer/build.py), the
-    step, held-out evaluation (trainer/evaluation.py) and checkpoints (trainer/checkpoint.py)."""
+    """One rank's training: its stages, optimizers and pipeline schedule (trainer/build.py) and
+    the step. It owns the passes of a batch through its stages (trainer/passes.py), held-out
+    evaluation (trainer/evaluation.py) and its checkpoints (trainer/checkpoint.py)."""
 
     def __init__(self, cfg: Config, *, rank: int, device: torch.device) -> None:
         self.cfg = cfg
@@ -53,11 +56,7 @@ class Trainer:
         # All ranks, for checkpoints: a group of its own rather than the default one, so that
         # leaving it after a failure (see cluster/worker.py) closes its connections too.
         self.world_group = dist.new_group()
-        # Asynchronous saves exchange their plans on a CPU group of their own (NCCL cannot carry
-        # Python objects); their upload threads do no collective (trainer/upload.py).
-        async_saves = cfg.checkpoint.async_save and cfg.checkpoint.every > 0
-        self.upload_group = dist.new_group(backend="gloo") if async_saves else None
-        self.saver = None
+        self.checkpoints = Checkpoints(self)  # saves, the ones that ended, restores
         self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
         self.evaluation = Evaluation()  # the held-out stream, built on first use, and val_loss
         self.n_microbatches = self.layout.num_microbatches
@@ -79,7 +78,13 @@ class Trainer:
         self.timeline = Timeline(rank)
         self.trace_steps = set(cfg.metrics.trace_steps)
         instrument = functools.partial(instrument_stage, timeline=self.timeline, phase=self._phase)
-        self.schedule = build_pipeline(cfg, self.layout, self.stages, self.mesh, device, self.loss_fn, instrument)
+        schedule = build_pipeline(cfg, self.layout, self.stages, self.mesh, device, self.loss_fn, instrument)
+        if schedule is None:  # one stage: gradient accumulation over the micro-batches
+            self.passes = Accumulate(
+                self.stages[0][1], self.n_microbatches, self.loss_fn, self.timeline, self._phase, device
+            )
+        else:
+            self.passes = Pipelined(schedule, self.has_first, self.has_last, self.timeline, device)
         self.memory = build_memory_meter(cfg, device, self.stages, self.optimizers)
         self.step = 0
         self.consumed_samples = 0
@@ -87,48 +92,24 @@ class Trainer:
         # another replica holds the same shards (trainer/heal.py).
         self.heal = heal_enabled(cfg)
         self.settled = False  # whether the state is the run's (trained, restored or healed)
-        self.last_metrics: dict | None = None  # the last step's (and its evaluation's), for a step the driver missed
+        self.last_result: StepResult | None = None  # the last step's, for a step the driver missed
         self.stage_layers = {i: list(self.layout.stage_layers[i]) for i, _ in self.stages}
 
-    def checkpoint_meta(self) -> dict:
-        """Trainer state that travels with a checkpoint, as JSON."""
-        from rayhybrid.trainer.checkpoint import trainer_meta
+    def save_checkpoint(self, root: str, keep: int, die_after_write: bool = False) -> SaveResult:
+        """Save the current step under `root` (a path or URL): `Checkpoints.save`."""
+        return self.checkpoints.save(root, keep, die_after_write)
 
-        return trainer_meta(self)
-
-    def save_checkpoint(self, root: str, keep: int, die_after_write: bool = False) -> dict:
-        """Save the current step under `root` (a path or URL); returns what it did and any
-        earlier asynchronous save that finished meanwhile (`finished`), see `Saver`."""
-        from rayhybrid.trainer.checkpoint import Saver
-
-        ck = self.cfg.checkpoint
-        if self.saver is None or self.saver.root != root or self.saver.keep != keep:
-            self.close_checkpoints()
-            self.saver = Saver(self, root, ck.storage_options, keep, ck.async_save, ck.keep_best)
-        return self.saver.save(die_after_write)
-
-    def finished_checkpoints(self, wait: bool = False) -> list[dict]:
-        """Asynchronous saves finished (committed or failed) since the last call; `wait`: wait
-        for the one in flight first."""
-        if self.saver is None:
-            return []
-        return self.saver.wait() if wait else self.saver.poll()
+    def finished_checkpoints(self, wait: bool = False) -> list[SaveResult]:
+        """Asynchronous saves that ended since the last call: `Checkpoints.finished`."""
+        return self.checkpoints.finished(wait)
 
     def close_checkpoints(self) -> None:
-        """Abandon a save in flight (it is never committed); before the process group goes."""
-        if self.saver is not None:
-            self.saver.close()
-            self.saver = None
+        """Abandon a save in flight, before the process group goes: `Checkpoints.close`."""
+        self.checkpoints.close()
 
-    def load_checkpoint(self, path: str, meta: dict) -> None:
-        """Restore a checkpoint written under any topology; the LR schedule follows `step`."""
-        from rayhybrid.trainer.checkpoint import restore
-
-        self.settled = False
-        restore(self, path, meta)
-        self.step = int(meta["step"])
-        self.consumed_samples = int(meta["consumed_samples"])
-        self.settled = True
+    def load_checkpoint(self, path: str, meta: dict) -> RestoreResult:
+        """Restore a checkpoint written under any topology: `Checkpoints.load`."""
+        return self.checkpoints.load(path, meta)
 
     def describe(self) -> dict:
         """What this rank holds, for the driver's start-up table and summary."""
@@ -145,12 +126,17 @@ class Trainer:
         }
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy over the replica's token count: micro-batch losses add
-        up to the replica's mean loss, and averaging over dp gives the global batch's mean."""
+        """The model family's loss (`ModelSpec.loss`), else the token cross-entropy, summed over
+        the micro-batch and divided by the replica's token count: micro-batch losses add up to
+        the replica's mean loss, and averaging over dp gives the global batch's mean."""
+        if self.spec.loss is not None:
+            return self.spec.loss(logits, targets) / self.replica_tokens
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
         return loss / self.replica_tokens
 
-    def _step_context(self) -> contextlib.ExitStack:
+    def step_context(self) -> contextlib.ExitStack:
+        """What a pass of the model runs under: loss parallel (a vocab-parallel output) and
+        autocast (train.dtype=bfloat16); training and evaluation alike."""
         stack = contextlib.ExitStack()
         if self.loss_parallel:
             stack.enter_context(loss_parallel())
@@ -162,9 +148,9 @@ class Trainer:
         if self.memory is not None:
             self.memory.phase(stage, phase)
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over the global batch; returns metrics (same on every rank, but
-        `samples_read` and `peak_mb`, which are this rank's)."""
+    def train_step(self) -> StepResult:
+        """One optimizer step over the global batch: its metrics (same on every rank, but
+        `samples_read` and `peak_mb`, this rank's) and the asynchronous saves that ended meanwhile."""
         cfg, t = self.cfg, self.cfg.topology
         start, cpu_start = time.perf_counter(), time.process_time()
         lr = lr_at(self.step, cfg.train)
@@ -191,8 +177,7 @@ class Trainer:
                 self.consumed_samples += cfg.train.global_batch_size
                 self.settled = True
         elapsed = time.perf_counter() - start
-        # Kept before anything else can fail: a peer heal to this step records it from these.
-        self.last_metrics = {
+        metrics: StepMetrics = {
             "step": self.step,
             "loss": loss,
             "lr": lr,
@@ -217,10 +202,10 @@ class Trainer:
             "bubble": self.timeline.bubble(),  # this rank's idle share of the pipeline's time
             **({"trace": self.timeline.events} if self.timeline.record else {}),
         }
-        finished = self.finished_checkpoints()
-        if finished:  # uploads done since the last step
-            self.last_metrics["checkpoints"] = finished
-        return self.last_metrics
+        self.last_result = StepResult(metrics)  # kept before anything can fail: a peer heal records it
+        if finished := self.finished_checkpoints():  # uploads done since the last step
+            self.last_result = StepResult(metrics, tuple(finished))
+        return self.last_result
 
     def forward_backward(self) -> torch.Tensor:
         """Gradients of the global batch's mean loss (no optimizer step); returns this rank's
@@ -238,10 +223,8 @@ class Trainer:
         if self.has_first or self.has_last:
             inputs, targets = self.read(shard)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-        with self._step_context():
-            if self.schedule is None:
-                return self._forward_backward(inputs, targets)
-            return self._forward_backward_pipeline(inputs, targets)
+        with self.step_context():
+            return self.passes.forward_backward(inputs, targets)
 
     def read(self, shard) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's samples of the step (timed: `data_wait_s`), the next steps' read
@@ -265,50 +248,12 @@ class Trainer:
 
     def forward_only(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         """This rank's part of one replica batch's mean loss (non-zero on last stages only)."""
-        if self.schedule is None:
-            (_, model), n = self.stages[0], self.n_microbatches
-            return sum(_local(self.loss_fn(model(x), y)) for x, y in zip(inputs.chunk(n), targets.chunk(n)))
-        return self._through_pipeline(functools.partial(pipeline_forward_only, self.schedule), inputs, targets)
+        return self.passes.forward_only(inputs, targets)
 
     def named_parameters(self):
         """(full-model name, parameter) for every parameter this rank holds."""
         for _, module in self.stages:
             yield from module.named_parameters()
-
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """No pipeline: gradient accumulation over the micro-batches, dp sync on the last."""
-        (_, model), n = self.stages[0], self.n_microbatches
-        total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(i == n - 1)
-            self._phase(0, "forward")
-            with self.timeline.span(f"F{i}", "forward", busy=True, stage=0, microbatch=i):
-                loss = self.loss_fn(model(x), y)
-            self._phase(0, "backward")
-            with self.timeline.span(f"B{i}", "backward", busy=True, stage=0, microbatch=i):
-                loss.backward()
-            total += _local(loss.detach())
-        return total
-
-    def _forward_backward_pipeline(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
-        def step(*args, **kwargs) -> None:
-            with timed_schedule(self.timeline):
-                self.schedule.step(*args, **kwargs)
-
-        return self._through_pipeline(step, inputs, targets)
-
-    def _through_pipeline(self, run, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
-        """`run` (the schedule's step, or its forward-only pass) on the replica batch, each rank
-        giving what its stages take; returns this rank's part of the loss (non-zero on last
-        stages only)."""
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        run(*args, **kwargs)
-        if self.has_last:
-            return torch.stack([_local(x.detach()) for x in losses]).sum()
-        return torch.zeros((), device=self.device)
 
     def _group(self, dim: str) -> dist.ProcessGroup | None:
         return self.mesh[dim].get_group() if self.mesh[dim].size() > 1 else None
@@ -335,7 +280,3 @@ class Trainer:
             dist.all_reduce(loss, group=dp)
             loss = loss / self.topo.dp
         return float(loss)
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.full_tensor() if isinstance(x, DTensor) else x
