@@ -8,7 +8,7 @@ failure policy says restart or give up, the scaling policy which replica slots t
 the heal policy whether a recovery heals from the survivors' state or restores a checkpoint.
 What stays on the Controller are its collaborators, built once when the run opens: the
 policies, the fault plan, the run log (`rayhybrid.driver.runlog`, the one writer of the run's
-files), the checkpoint ledger (`rayhybrid.driver.checkpoints`), the healing
+files, with its reporters attached), the checkpoint ledger (`rayhybrid.driver.checkpoints`), the healing
 (`rayhybrid.driver.healing`) and the drain watch. The one attribute a run changes is
 `stop_requested`, which the SIGTERM handler sets.
 """
@@ -33,6 +33,7 @@ from rayhybrid.driver.observe import Observer
 from rayhybrid.driver.policies import Failure, FailurePolicy, ScalingPolicy
 from rayhybrid.driver.preemption import DrainWatch, slots_on, why_not_placed
 from rayhybrid.driver.records import Interruption
+from rayhybrid.driver.reporting import Tracked
 from rayhybrid.driver.runlog import RunLog, announce
 from rayhybrid.driver.state import Failed, Finished, Recovering, Resizing, RunState, Starting, State, Stopped, Training
 from rayhybrid.errors import RayHybridError, RunFailed, WorkerError
@@ -67,8 +68,8 @@ class Controller:
 
     def run(self) -> dict:
         self.log = RunLog(self.cfg)
-        self.log.observer = Observer(self.cfg, self.log.dir)
-        self.log.summary.checkpoint_dir = redact_url(self._checkpoint_url())
+        self.log.attach(Observer(self.cfg, self.log.dir))
+        self.log.checkpoints_in(redact_url(self._checkpoint_url()))
         state: State = Starting(RunState())
         status, error, started_ray, previous = "failed", None, False, None
         try:
@@ -97,12 +98,12 @@ class Controller:
         store names), then Ray. Returns whether this run started Ray."""
         cfg = self.cfg
         store = open_store(self._checkpoint_url(), cfg.checkpoint.storage_options)
-        self.log.summary.checkpoint_dir = store.display
+        self.log.checkpoints_in(store.display)
         self.ledger = CheckpointLedger(cfg, store, self.log)
         self.drains = DrainWatch(cfg, self.scaling, self.ledger)
         self.healing = Healing(cfg, self.log)
         self.found = self.ledger.latest()  # listed once: the trackers, the model check and the first start use it
-        self.log.trackers = Trackers.open(cfg, self.log.dir, store, checkpoint_found=self.found is not None)
+        self.log.attach(Tracked(Trackers.open(cfg, self.log.dir, store, checkpoint_found=self.found is not None)))
         return connect(cfg)
 
     def _checkpoint_url(self) -> str:
