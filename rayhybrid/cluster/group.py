@@ -14,13 +14,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayhybrid.cluster import code
 from rayhybrid.cluster import heal as peers
 from rayhybrid.cluster.drain import DRAIN_TIMEOUT_S, Drained, drain, finished
+from rayhybrid.cluster.merge import merge_steps
 from rayhybrid.cluster.placement import (
     ReplicaShape,
     create_replicas,
     placement_state,
     release,
 )
-from rayhybrid.cluster.results import merge_steps
 from rayhybrid.cluster.worker import CONTROL, TrainWorker, WorkerInfo
 from rayhybrid.config.schema import Config, with_dp
 from rayhybrid.config.topology import Layout
@@ -29,7 +29,7 @@ from rayhybrid.faults import Injection
 from rayhybrid.storage.store import forwarded_env
 
 if TYPE_CHECKING:
-    from rayhybrid.cluster.results import StepMetrics
+    from rayhybrid.trainer.results import RestoreResult, SaveResult, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +235,8 @@ class WorkerGroup(_ForTheDriver):
 
     def train(
         self, steps: int = 1, timeout_s: float | None = None, inject: Injection | None = None
-    ) -> list[StepMetrics]:
-        """Run `steps` optimizer steps on every rank; returns rank 0's metrics per step.
+    ) -> list[StepResult]:
+        """Run `steps` optimizer steps on every rank; returns each step's result, merged.
         A call that makes no progress for `timeout_s` counts as a failed (hung) worker.
         `inject`: a `fault.inject` fault for one rank to trigger at the start of the call."""
         results = self._get(self._calls("train", inject, steps), timeout_s=timeout_s, what="step")
@@ -273,13 +273,13 @@ class WorkerGroup(_ForTheDriver):
     def _failed(self) -> bool:
         return bool(self._inflight) and bool(self.errors())
 
-    def save(self, root: str, keep: int, timeout_s: float | None = None, inject: Injection | None = None) -> dict:
+    def save(self, root: str, keep: int, timeout_s: float | None = None, inject: Injection | None = None) -> SaveResult:
         """Start (async) or write (sync) a checkpoint; rank 0's record of it (trainer/checkpoint.py)."""
         return self._get(self._calls("save", inject, root, keep), timeout_s=timeout_s, what="checkpoint save")[0]
 
-    def finished_saves(self, timeout_s: float | None = None) -> list[dict]:
+    def finished_saves(self, timeout_s: float | None = None) -> list[SaveResult]:
         """Wait for the checkpoint upload in flight, if any; rank 0's records of the saves that
-        finished since the last report (committed, or failed with "error")."""
+        finished since the last report (committed, or failed with `error`)."""
         return self._get([w.finished_saves.remote() for w in self.workers], timeout_s, "checkpoint upload")[0]
 
     def _calls(self, method: str, inject: Injection | None, *args) -> list:
@@ -289,7 +289,7 @@ class WorkerGroup(_ForTheDriver):
             for rank, w in enumerate(self.workers)
         ]
 
-    def load(self, path: str, meta: dict) -> int:
+    def load(self, path: str, meta: dict) -> RestoreResult:
         return self._get([w.load.remote(path, meta) for w in self.workers], self.start_timeout_s, "restore")[0]
 
     def placement(self) -> list[dict]:

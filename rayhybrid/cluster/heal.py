@@ -7,19 +7,23 @@ here beside `drain`'s.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rayhybrid.trainer.results import HealResult, HeldState
 
 
-def held(group) -> list[dict | None]:
-    """Each rank's kept state, in rank order: {"step", "bytes", "recorded"} (whether it kept
+def held(group) -> list[HeldState | None]:
+    """Each rank's kept state, in rank order (`HeldState`: its step, its bytes, whether it kept
     that step's results), or None."""
     return group._get([w.held.remote() for w in group.workers], group.start_timeout_s, "heal")
 
 
-def heal(group, sources: dict[int, int]) -> list[dict]:
+def heal(group, sources: dict[int, int]) -> list[HealResult]:
     """Every rank in `sources` (receiver -> sender, ranks of the new world) receives its state
     from its sender; every other rank takes the state it kept and sends it to the ranks that
-    name it. Returns each rank's {"step" it now holds, "record" (its record of that step,
-    `trainer.heal.step_record`), "bytes", "s"}."""
+    name it. Returns each rank's `HealResult` (the step it now holds, its record of that step
+    from `trainer.heal.step_record`, the bytes moved, the seconds)."""
     sends = defaultdict(list)
     for dst, src in sources.items():
         sends[src].append(dst)
