@@ -1,6 +1,7 @@
-"""The driver's states one at a time, without Ray: a `RunState` and a fake worker group go in,
-the next state comes out (docs/design.md, "The driver's state machine"). Each handler's inputs
-and outputs are in its signature; the controller itself is left as it was."""
+"""The driver's states one at a time, without Ray: a `RunState` goes in, with a fake worker group
+as the controller's, and the next state comes out (docs/design.md, "The driver's state
+machine"). Each handler's inputs and outputs are in its signature; the controller itself is left
+as it was (a start sets its group; nothing else does)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rayhybrid.cluster.drain import Drained
 from rayhybrid.config.topology import Topology
 from rayhybrid.driver.checkpoints import CheckpointLedger
 from rayhybrid.driver.controller import Controller
-from rayhybrid.driver.healing import Healing
+from rayhybrid.driver.launcher import Launcher
 from rayhybrid.driver.policies import Failure
 from rayhybrid.driver.records import Interruption
 from rayhybrid.driver.runlog import RunLog
@@ -27,10 +28,13 @@ from rayhybrid.trainer.results import HealResult, HeldState, RestoreResult, Save
 
 
 class FakeGroup:
-    """What the controller asks of a worker group, answered from lists the test sets."""
+    """What the controller asks of a worker group, answered from lists the test sets. It trains
+    on `slots` (dp is their number) until `rebuild` gives it others, as the real group does;
+    `layout_dp` x `world` is the layout that healing reads."""
 
-    def __init__(self, dp: int = 1, world: int = 1) -> None:
+    def __init__(self, slots: tuple[int, ...] = (0,), layout_dp: int = 1, world: int = 1) -> None:
         self.calls: list[tuple] = []
+        self.active = list(slots)
         self.fail_train: WorkerError | None = None
         self.saves: list[SaveResult] = []  # what group.save returns, in order
         self.finished: list[list[SaveResult]] = []  # what group.finished_saves returns, in order
@@ -39,45 +43,49 @@ class FakeGroup:
         self.world = world
         self.env: dict = {}
         self.start_timeout_s = 1.0
-        self.layout = types.SimpleNamespace(topology=Topology(dp, 1, world // dp))
+        self.layout = types.SimpleNamespace(topology=Topology(layout_dp, 1, world // layout_dp))
         self.kept: list[HeldState | None] = [None] * world  # what each rank kept across a failure
         self.records: dict[int, dict] = {}  # the results a rank kept of its step (`recorded`)
         self.astray: dict[int, int] = {}  # rank -> the step it holds after a heal, if not the planned one
         self.cfg = None
 
     @property
+    def slots(self) -> tuple[int, ...]:
+        return tuple(self.active)
+
+    @property
+    def dp(self) -> int:
+        return len(self.active)
+
+    @property
     def workers(self) -> list:
-        """Fake actors: `held` and `heal` answer from `kept` (cluster/heal.py calls them): a
-        rank holds the step it kept, or its sender's, and reports that step's record."""
+        return [None] * self.world
 
-        def worker(rank):
-            def heal(src, receivers):
-                self.calls.append(("heal", rank, src, receivers))
-                moved = 100 if src is not None else 100 * len(receivers)  # a receiver: what it got
-                step = self.astray.get(rank, self.kept[rank if src is None else src].step)
-                record = self.records.get(rank)
-                if record is None:  # what a rank that received its state reports: the samples it read
-                    record = {
-                        "step": step,
-                        "consumed_samples": 8 * step,
-                        "samples_read": [8 * step - 8 + 4 * (rank // 2), 4],
-                    }
-                return HealResult(step, StepResult(record), moved, 0.01)
+    def held(self) -> list[HeldState | None]:
+        return list(self.kept)
 
-            def trace(step, ranges):
-                self.calls.append(("trace", rank, step, ranges))
-                return [{"step": step, "sample": i} for start, count in ranges for i in range(start, start + count)]
+    def heal(self, sources: dict[int, int]) -> list[HealResult]:
+        """Every rank heals as the real group has it (a receiver from its sender, the others
+        from what they kept, sending to the ranks that name them): a rank holds the step it
+        kept, or its sender's, and reports that step's record."""
+        sends: dict[int, list[int]] = {}
+        for dst, src in sources.items():
+            sends.setdefault(src, []).append(dst)
+        return [self._heal(rank, sources.get(rank), sorted(sends.get(rank, []))) for rank in range(self.world)]
 
-            return types.SimpleNamespace(
-                held=types.SimpleNamespace(remote=lambda: self.kept[rank]),
-                heal=types.SimpleNamespace(remote=heal),
-                trace=types.SimpleNamespace(remote=trace),
-            )
+    def _heal(self, rank: int, src: int | None, receivers: list[int]) -> HealResult:
+        self.calls.append(("heal", rank, src, receivers))
+        moved = 100 if src is not None else 100 * len(receivers)  # a receiver: what it got
+        step = self.astray.get(rank, self.kept[rank if src is None else src].step)
+        record = self.records.get(rank)
+        if record is None:  # what a rank that received its state reports: the samples it read
+            record = {"step": step, "consumed_samples": 8 * step, "samples_read": [8 * step - 8 + 4 * (rank // 2), 4]}
+        return HealResult(step, StepResult(record), moved, 0.01)
 
-        return [worker(rank) for rank in range(self.world)]
-
-    def _get(self, refs, timeout_s=None, what="call"):
-        return list(refs)
+    def trace(self, step: int, ranges: list[list[int]]) -> list[dict]:
+        """Rank 0's rows of the samples in `ranges`."""
+        self.calls.append(("trace", 0, step, ranges))
+        return [{"step": step, "sample": i} for start, count in ranges for i in range(start, start + count)]
 
     def train(self, steps, timeout_s=None, inject=None):
         self.calls.append(("train", inject))
@@ -111,6 +119,7 @@ class FakeGroup:
 
     def rebuild(self, slots):
         self.calls.append(("rebuild", list(slots)))
+        self.active = list(slots)
 
     def reconfigure(self, cfg):
         self.calls.append(("reconfigure",))
@@ -135,20 +144,22 @@ class FakeGroup:
 class NoDrains:
     """A drain watch that never sees a preemption notice."""
 
-    def notice(self, group, slots, evacuated):
+    def notice(self, group, evacuated):
         return {}
 
     def draining(self):
         return set()
 
 
-def controller(tmp_path, *overrides: str) -> Controller:
+def controller(tmp_path, *overrides: str, group: FakeGroup | None = None) -> Controller:
+    """A controller whose run has opened (no checkpoint found), training on `group`."""
     cfg = dataclasses.replace(load_config(["train.steps=10", *overrides]), run_dir=str(tmp_path))
     ctrl = Controller(cfg)
     ctrl.log = RunLog(cfg)
     ctrl.ledger = CheckpointLedger(cfg, Store.open(str(tmp_path / "checkpoints")), ctrl.log)
     ctrl.drains = NoDrains()
-    ctrl.healing = Healing(cfg, ctrl.log)
+    ctrl.launcher = Launcher(cfg, ctrl.scaling, ctrl.ledger, ctrl.drains, ctrl.log, None)
+    ctrl.group = group
     return ctrl
 
 
@@ -158,20 +169,21 @@ def events(tmp_path) -> list[dict]:
 
 
 def test_a_step_returns_the_next_state_and_leaves_the_controller_as_it_was(tmp_path):
-    ctrl = controller(tmp_path, "checkpoint.every=0")
     group = FakeGroup()
+    ctrl = controller(tmp_path, "checkpoint.every=0", group=group)
     before = dict(vars(ctrl))
-    state = ctrl.on_training(Training(RunState(group=group, slots=(0,), step=0)))
-    assert isinstance(state, Training) and state.run.step == 1 and state.run.group is group
+    state = ctrl.on_training(Training(RunState(step=0)))
+    assert isinstance(state, Training) and state.run.step == 1 and ctrl.group is group
     assert dict(vars(ctrl)) == before  # nothing set on the controller
+    assert not {f.name for f in dataclasses.fields(RunState)} & {"group", "slots"}  # values only: dp is the group's
     assert [m["step"] for m in ctrl.log.history] == [1]
 
 
 def test_a_due_checkpoint_uploads_then_commits_through_the_ledger(tmp_path):
-    ctrl = controller(tmp_path, "checkpoint.every=1")
     group = FakeGroup()
+    ctrl = controller(tmp_path, "checkpoint.every=1", group=group)
     group.saves = [SaveResult(1, str(tmp_path / "c/step_00000001"), True, 0.0, blocked_s=0.01)]
-    run = ctrl.on_training(Training(RunState(group=group, slots=(0,)))).run
+    run = ctrl.on_training(Training(RunState())).run
     assert run.uploading and run.committed is None  # saving: not committed yet
     # The upload's report comes back with the next step's results.
     group.finished = [[SaveResult(1, str(tmp_path / "c/step_00000001"), True, 0.0, blocked_s=0.01, upload_s=0.5)]]
@@ -183,18 +195,18 @@ def test_a_due_checkpoint_uploads_then_commits_through_the_ledger(tmp_path):
 
 
 def test_a_failed_step_goes_to_recovering_with_what_failed(tmp_path):
-    ctrl = controller(tmp_path)
-    group = FakeGroup()
+    group = FakeGroup(slots=(0, 1))
+    ctrl = controller(tmp_path, group=group)
     group.fail_train = WorkerError(0, "boom")
-    state = ctrl.on_training(Training(RunState(group=group, slots=(0, 1), step=4)))
+    state = ctrl.on_training(Training(RunState(step=4)))
     assert isinstance(state, Recovering)
     assert (state.interruption.step, state.interruption.dp_before, state.interruption.kind) == (5, 2, "restart")
     assert state.run.step == 4 and not state.injected
 
 
 def test_recovery_replaces_the_dead_ranks_and_restores_the_latest_checkpoint(tmp_path):
-    ctrl = controller(tmp_path, "+topology=dp2")
-    group = FakeGroup(world=2)
+    group = FakeGroup(slots=(0, 1), world=2)
+    ctrl = controller(tmp_path, "+topology=dp2", group=group)
     group.drained = Drained(frozenset({1}), frozenset({1}), frozenset())
     store = ctrl.ledger.store
     path = checkpoints.begin(store, 4)
@@ -202,13 +214,12 @@ def test_recovery_replaces_the_dead_ranks_and_restores_the_latest_checkpoint(tmp
     checkpoints.commit(store, path, {"step": 4, "consumed_samples": 32, "topology": {"dp": 2, "pp": 1, "tp": 1}})
     intr = Interruption("restart", "rank 1: boom", 5, 2)
     state = ctrl.on_recovering(
-        Recovering(
-            RunState(group=group, slots=(0, 1), step=4, first_restore=0, committed=4), WorkerError(1, "x"), intr, False
-        )
+        Recovering(RunState(step=4, first_restore=0, committed=4), WorkerError(1, "x"), intr, False)
     )
     assert isinstance(state, Training)
     run = state.run
-    assert (run.restarts, run.slots, run.step, len(run.failures)) == (1, (0, 1), 4, 1)
+    assert (run.restarts, ctrl.group.slots, run.step, len(run.failures)) == (1, (0, 1), 4, 1)
+    assert ctrl.group is group  # rebuilt in place, not replaced
     assert state.pending.replaced_ranks == [1] and state.pending.restart == 1 and state.pending.resume_step == 4
     assert ("rebuild", [0, 1]) in group.calls and (
         "load",
@@ -223,8 +234,8 @@ def recovering_dp2_tp2(
 ) -> tuple[Controller, FakeGroup, Training]:
     """dp2_tp2 at step `step`, rank 3 lost, a checkpoint of step 4 (unless not `saved`); each
     rank kept `kept`, with `records` (FakeGroup.records) and `astray` (FakeGroup.astray)."""
-    ctrl = controller(tmp_path, "+topology=dp2_tp2")
-    group = FakeGroup(dp=2, world=4)
+    group = FakeGroup(slots=(0, 1), layout_dp=2, world=4)
+    ctrl = controller(tmp_path, "+topology=dp2_tp2", group=group)
     group.drained = Drained(frozenset({3}), frozenset({1}), frozenset())
     group.kept, group.records, group.astray = kept, records or {}, astray or {}
     store = ctrl.ledger.store
@@ -234,7 +245,7 @@ def recovering_dp2_tp2(
         meta = {"step": 4, "consumed_samples": 32, "topology": {"dp": 2, "pp": 1, "tp": 2}}
         checkpoints.commit(store, path, meta)
     committed = 4 if saved else None
-    run = RunState(group=group, slots=(0, 1), step=step, first_restore=0, committed=committed, uploading=True)
+    run = RunState(step=step, first_restore=0, committed=committed, uploading=True)
     intr = Interruption("restart", "rank 3: boom", step + 1, 2)
     return ctrl, group, ctrl.on_recovering(Recovering(run, WorkerError(3, "x"), intr, False))
 
@@ -350,7 +361,7 @@ def test_a_step_taken_that_no_rank_kept_the_results_of_is_never_left_out(tmp_pat
 def test_recovery_falls_back_to_the_checkpoint_without_a_live_copy(tmp_path, kept, why):
     if why == "heal off":
         ctrl = controller(tmp_path, "fault.heal=false")
-        assert ctrl.healing.policy.choose({(0, 0): [6, None]}) is None
+        assert ctrl.launcher.healing.policy.choose({(0, 0): [6, None]}) is None
         return
     ctrl, group, state = recovering_dp2_tp2(tmp_path, kept)
     assert not [c for c in group.calls if c[0] == "heal"]
@@ -360,11 +371,11 @@ def test_recovery_falls_back_to_the_checkpoint_without_a_live_copy(tmp_path, kep
 
 
 def test_recovery_gives_up_on_a_failure_that_repeats(tmp_path):
-    ctrl = controller(tmp_path)
     group = FakeGroup()
+    ctrl = controller(tmp_path, group=group)
     earlier = Failure(5, "rank 0: boom", False)
     intr = Interruption("restart", "rank 0: boom", 5, 1)
-    run = RunState(group=group, slots=(0,), step=4, restarts=1, failures=(earlier,))
+    run = RunState(step=4, restarts=1, failures=(earlier,))
     state = ctrl.on_recovering(Recovering(run, WorkerError(0, "boom"), intr, False))
     assert isinstance(state, Failed) and "failed twice" in str(state.error)
     assert state.run.restarts == 1 and len(state.run.failures) == 2
@@ -374,29 +385,27 @@ def test_recovery_gives_up_on_a_failure_that_repeats(tmp_path):
 @pytest.mark.parametrize("elastic", [True, False])
 def test_a_replica_not_placed_again_shrinks_an_elastic_run_and_fails_a_fixed_one(tmp_path, elastic):
     extra = ["elastic.enabled=true", "elastic.min_dp=1", "elastic.max_dp=2", "elastic.reschedule_timeout_s=1"]
-    ctrl = controller(tmp_path, "+topology=dp2", *(extra if elastic else []))
-    group = FakeGroup(world=1)
+    group = FakeGroup(slots=(0, 1), world=1)
+    ctrl = controller(tmp_path, "+topology=dp2", *(extra if elastic else []), group=group)
     group.drained = Drained(frozenset({1}), frozenset({1}), frozenset({"node-b"}))
     group.not_placed = {1}
     intr = Interruption("restart", "node lost", 3, 2)
-    state = ctrl.on_recovering(
-        Recovering(RunState(group=group, slots=(0, 1), step=2), WorkerError(1, "x"), intr, False)
-    )
+    state = ctrl.on_recovering(Recovering(RunState(step=2), WorkerError(1, "x"), intr, False))
     if elastic:
-        assert isinstance(state, Training) and state.run.slots == (0,) and state.pending.dp_after == 1
+        assert isinstance(state, Training) and ctrl.group.slots == (0,) and state.pending.dp_after == 1
         assert ("rebuild", [0]) in group.calls
     else:
         assert isinstance(state, Failed) and "could not be placed again" in str(state.error)
 
 
 def test_the_last_step_waits_for_the_upload_and_saves_again_once_if_it_failed(tmp_path):
-    ctrl = controller(tmp_path, "checkpoint.every=5")
     group = FakeGroup()
+    ctrl = controller(tmp_path, "checkpoint.every=5", group=group)
     done = SaveResult(10, str(tmp_path / "c/step_00000010"), True, 0.0, blocked_s=0.0, upload_s=0.1)
     failed = dataclasses.replace(done, upload_s=None, error="disk full")
     group.finished = [[failed], [done]]
     group.saves = [dataclasses.replace(done, upload_s=None)]
-    run = RunState(group=group, slots=(0,), step=10, uploading=True)
+    run = RunState(step=10, uploading=True)
     state = ctrl.on_training(Training(run))
     assert isinstance(state, Finished) and state.run.committed == 10
     assert [e["event"] for e in events(tmp_path)] == ["checkpoint_failed", "checkpoint"]
@@ -411,9 +420,9 @@ def test_a_stop_whose_save_fails_keeps_the_commit_it_recorded_before(tmp_path):
     """SIGTERM with step 5's upload in flight after step 7: the wait records step 5 as
     committed, then step 7's save fails. Recovery starts from a run state that knows step 5
     is committed (it is not recorded a second time when it is restored)."""
-    ctrl = controller(tmp_path, "checkpoint.every=5")
-    ctrl.stop_requested = "SIGTERM"
     group = FakeGroup()
+    ctrl = controller(tmp_path, "checkpoint.every=5", group=group)
+    ctrl.sigterm.received = "SIGTERM"
     done = SaveResult(5, str(tmp_path / "c/step_00000005"), True, 0.0, blocked_s=0.0, upload_s=0.1)
     group.finished = [[done]]
 
@@ -421,7 +430,7 @@ def test_a_stop_whose_save_fails_keeps_the_commit_it_recorded_before(tmp_path):
         raise WorkerError(0, "node gone")
 
     group.save = failing_save
-    state = ctrl.on_training(Training(RunState(group=group, slots=(0,), step=7, uploading=True, first_restore=0)))
+    state = ctrl.on_training(Training(RunState(step=7, uploading=True, first_restore=0)))
     assert isinstance(state, Recovering) and state.interruption.step == 8
     assert state.run.committed == 5 and not state.run.uploading
     assert ctrl.ledger.restored(state.run, checkpoints.Checkpoint(done.path, {"step": 5})).committed == 5
@@ -431,7 +440,7 @@ def test_a_stop_whose_save_fails_keeps_the_commit_it_recorded_before(tmp_path):
 def test_a_first_start_whose_restore_fails_stops_its_group(tmp_path, monkeypatch):
     """The state holding the new group is never returned when the restore raises: the start
     itself stops the group (nothing is left holding placement groups and devices)."""
-    from rayhybrid.driver import controller as controller_module
+    from rayhybrid.driver import launcher as launcher_module
     from rayhybrid.driver.state import Starting
 
     ctrl = controller(tmp_path)
@@ -450,26 +459,64 @@ def test_a_first_start_whose_restore_fails_stops_its_group(tmp_path, monkeypatch
         def shutdown(self, graceful=True):
             stopped.append(graceful)
 
-    monkeypatch.setattr(controller_module, "WorkerGroup", Group)
+    monkeypatch.setattr(launcher_module, "WorkerGroup", Group)
     with pytest.raises(OSError, match="disk full"):
         ctrl.on_starting(Starting(RunState()))
-    assert stopped == [False]
+    assert stopped == [False] and ctrl.group is None
+
+
+def test_a_start_whose_workers_do_not_join_leaves_no_group_and_recovers(tmp_path, monkeypatch):
+    """The workers of a new group fail to join: the start stops that group and the controller
+    holds none (dp 0), so the recovery starts again rather than rebuild a group that is gone;
+    a start that succeeds then gives the controller its group."""
+    from rayhybrid.driver import launcher as launcher_module
+    from rayhybrid.driver.state import Starting
+
+    ctrl = controller(tmp_path)
+    built: list[FakeGroup] = []
+
+    class Group(FakeGroup):
+        def __init__(self, *args):
+            super().__init__(slots=())
+            self.stopped: list[bool] = []
+            built.append(self)
+
+        def reserve(self, needed):
+            return [0]
+
+        def rebuild(self, slots):
+            super().rebuild(slots)
+            if len(built) == 1:
+                raise WorkerError(0, "could not join")
+
+        def shutdown(self, graceful=True):
+            self.stopped.append(graceful)
+
+    monkeypatch.setattr(launcher_module, "WorkerGroup", Group)
+    state = ctrl.on_starting(Starting(RunState()))
+    assert isinstance(state, Recovering) and ctrl.group is None and built[0].stopped == [False]
+    assert (state.interruption.step, state.interruption.dp_before) == (1, 0)
+    state = ctrl.on_recovering(state)
+    assert isinstance(state, Starting) and state.pending.restart == 1
+    state = ctrl.on_starting(state)
+    assert isinstance(state, Training) and ctrl.group is built[1] and not built[1].stopped
+    assert (state.pending.dp_before, state.pending.dp_after) == (1, 1)
 
 
 def test_a_final_checkpoint_that_a_heal_abandoned_is_saved_again(tmp_path):
     """A rank died in the final save; the run healed to the last step, but that save was
     abandoned with the failure: the run saves it again before it counts as finished. A run
     that resumed at its last step saves nothing (its checkpoint is the one it resumed from)."""
-    ctrl = controller(tmp_path, "checkpoint.every=4")
     group = FakeGroup()
+    ctrl = controller(tmp_path, "checkpoint.every=4", group=group)
     path = str(tmp_path / "checkpoints" / "step_00000010")
     group.saves = [SaveResult(10, path, True, 0.0, blocked_s=0.01)]
     group.finished = [[SaveResult(10, path, True, 0.0, blocked_s=0.01, upload_s=0.1)]]
-    state = ctrl.on_training(Training(RunState(group=group, slots=(0,), step=10, committed=8, first_restore=0)))
+    state = ctrl.on_training(Training(RunState(step=10, committed=8, first_restore=0)))
     assert isinstance(state, Finished) and state.run.committed == 10
     assert [c[0] for c in group.calls] == ["save", "finished_saves"]
-    resumed = FakeGroup()
-    state = ctrl.on_training(Training(RunState(group=resumed, slots=(0,), step=10, first_restore=10)))
+    resumed = ctrl.group = FakeGroup()
+    state = ctrl.on_training(Training(RunState(step=10, first_restore=10)))
     assert isinstance(state, Finished) and not resumed.calls
 
 

@@ -479,16 +479,18 @@ def tensorboard_process(cfg: Config, run_dir: Path, steps: list, store: Store, e
     from rayhybrid.driver.observe import Observer
 
     observer = Observer(cfg, run_dir)
-    observer.started([{"rank": 0, "dp": 0, "pp": 0, "tp": 0}], "cpu")
+    observer.after_workers_start([{"rank": 0, "dp": 0, "pp": 0, "tp": 0}], {"device_name": "cpu"})
     trackers = Trackers.open(cfg, run_dir, store)
     history = []
     for i, (step, loss) in enumerate(steps):
-        history.append(observer.step(step_record(step, loss, **({"val_loss": loss / 2} if step % 4 == 0 else {}))))
+        history.append(
+            observer.before_step(step_record(step, loss, **({"val_loss": loss / 2} if step % 4 == 0 else {})))
+        )
         trackers.step(history[-1])
         if i == 5 and event:
             trackers.event(event)
     figures = {}
-    observer.close(figures, history)
+    observer.before_close(figures, history)
     trackers.close({"status": "completed", "steps": steps[-1][0]})
     return figures
 

@@ -12,6 +12,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayhybrid.cluster import code
+from rayhybrid.cluster import heal as peers
 from rayhybrid.cluster.drain import DRAIN_TIMEOUT_S, Drained, drain, finished
 from rayhybrid.cluster.merge import merge_steps
 from rayhybrid.cluster.placement import (
@@ -36,7 +37,17 @@ log = logging.getLogger(__name__)
 START_GRACE_S = 2.0
 
 
-class WorkerGroup:
+class _ForTheDriver:
+    """Thin members the driver asks of a group (H2a's WorkerGroup owns them at merge): the
+    slots in use, in data-parallel order, and peer healing's calls (rayhybrid/cluster/heal.py)."""
+
+    slots = property(lambda self: tuple(self.active))
+    held = peers.held
+    heal = peers.heal
+    trace = peers.trace
+
+
+class WorkerGroup(_ForTheDriver):
     """`slots` replica placement groups (one per data-parallel replica the run may use) and the
     actors of the replicas in use, in rank order (docs/design.md, invariant 1). Unused slots
     stay reserved: while pending they show an autoscaler the demand, once placed they let the
@@ -53,7 +64,7 @@ class WorkerGroup:
     def __init__(self, cfg: Config, shape: ReplicaShape, slots: int | None = None) -> None:
         self.cfg = cfg
         self.shape = shape
-        self.slots = slots or cfg.topology.dp
+        self.num_slots = slots or cfg.topology.dp
         self.groups: list = []  # placement group per slot
         self.active: list[int] = []  # the slot of each data-parallel replica in use
         self.replicas: dict[int, list] = {}  # slot -> its pp*tp actors (None: to be replaced)
@@ -84,13 +95,13 @@ class WorkerGroup:
 
     def start(self) -> None:
         """A fixed-size group: reserve every slot, wait until all are placed, start on them."""
-        self.rebuild(self.reserve(self.slots))
+        self.rebuild(self.reserve(self.num_slots))
 
     def reserve(self, needed: int) -> list[int]:
         """Ask for a placement group per slot and wait (at most `cluster.placement_timeout_s`)
         until `needed` of them are placed; returns the placed slots. Releases them all and
         raises `PlacementTimeout` when too few are placed in time."""
-        self.groups = create_replicas(self.shape, self.slots)
+        self.groups = create_replicas(self.shape, self.num_slots)
         timeout = self.cfg.cluster.placement_timeout_s
         refs = [pg.ready() for pg in self.groups]
         ready, rest = ray.wait(refs, num_returns=needed, timeout=timeout)

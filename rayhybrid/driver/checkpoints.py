@@ -2,8 +2,9 @@
 upload), the one way a step becomes committed, restoring the latest checkpoint, and the
 storage check of the nodes a run uses.
 
-Every method takes the `RunState` and returns the next one (with `committed`, `uploading`,
-`checked_nodes` or `first_restore` changed); what it records goes to the run log. A step counts
+Every method takes the `RunState` (and, where it calls the workers, the worker group) and
+returns the next one (with `committed`, `uploading`, `checked_nodes` or `first_restore`
+changed); what it records goes to the run log. A step counts
 as committed when its commit marker exists (docs/design.md, invariant 6); `_commit` is where the
 driver learns it, from a save's report or, when that report was lost with a failure, from the
 checkpoint it restores.
@@ -62,11 +63,11 @@ class CheckpointLedger:
         check_storage(self.store, nodes, group.env, default=self.default_dir)
         return run.but(checked_nodes=run.checked_nodes | set(nodes))
 
-    def save(self, run: RunState, step: int, inject: Injection | None) -> RunState:
+    def save(self, run: RunState, group, step: int, inject: Injection | None) -> RunState:
         """Save the checkpoint of `step`: written by the time this returns, or uploading (async);
         records any earlier upload that finished meanwhile. Raises WorkerError."""
         ck = self.cfg.checkpoint
-        saved = run.group.save(self.store.url, ck.keep, self.cfg.fault.step_timeout_s, inject)
+        saved = group.save(self.store.url, ck.keep, self.cfg.fault.step_timeout_s, inject)
         run = self.saved(run, list(saved.finished))
         if not saved.asynchronous:
             return self.saved(run, [saved])
@@ -78,22 +79,22 @@ class CheckpointLedger:
         )
         return run.but(uploading=True)
 
-    def wait(self, run: RunState) -> tuple[RunState, SaveResult | None]:
+    def wait(self, run: RunState, group) -> tuple[RunState, SaveResult | None]:
         """Wait for the upload in flight (if any); the run state and that upload's record."""
         if not run.uploading:
             return run, None
-        done = run.group.finished_saves(run.group.start_timeout_s)
+        done = group.finished_saves(group.start_timeout_s)
         return self.saved(run, done), (done[-1] if done else None)
 
-    def save_now(self, run: RunState) -> tuple[RunState, WorkerError | None]:
+    def save_now(self, run: RunState, group) -> tuple[RunState, WorkerError | None]:
         """The step the run is at, committed before it returns (unless checkpoint.every=0):
         for a preemption notice or a stop. A failure comes back with the run state as far as
         it got (a commit recorded before it stays recorded)."""
         try:
-            run, _ = self.wait(run)
+            run, _ = self.wait(run, group)
             if self.cfg.checkpoint.enabled and run.step > 0 and run.committed != run.step:
-                run = self.save(run, run.step, None)
-                run, _ = self.wait(run)
+                run = self.save(run, group, run.step, None)
+                run, _ = self.wait(run, group)
         except WorkerError as err:
             return run, err
         return run, None
@@ -137,7 +138,7 @@ class CheckpointLedger:
         return self._commit(run, step, ckpt.path, None, None, self.cfg.checkpoint.async_save, how)
 
     def restore(
-        self, run: RunState, intr: Interruption | None, ckpt: checkpoints.Checkpoint | None
+        self, run: RunState, group, intr: Interruption | None, ckpt: checkpoints.Checkpoint | None
     ) -> tuple[RunState, Interruption | None]:
         """Load `ckpt`, the latest checkpoint (if any), into the group; the run state at the
         step restored, and the interruption with its restore time."""
@@ -145,10 +146,10 @@ class CheckpointLedger:
         run = self.restored(run, ckpt)
         if ckpt is not None:
             mark = time.perf_counter()
-            step = run.group.load(str(ckpt.path), ckpt.meta).step
+            step = group.load(str(ckpt.path), ckpt.meta).step
             if intr is not None:
                 intr = intr.but(restore_s=intr.restore_s + time.perf_counter() - mark)
-            written, now = ckpt.meta["topology"], run.dp
+            written, now = ckpt.meta["topology"], group.dp
             log.info(
                 "resuming from %s (step %d, %d samples consumed%s)",
                 ckpt.path,

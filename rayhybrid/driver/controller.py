@@ -8,9 +8,11 @@ failure policy says restart or give up, the scaling policy which replica slots t
 the heal policy whether a recovery heals from the survivors' state or restores a checkpoint.
 What stays on the Controller are its collaborators, built once when the run opens: the
 policies, the fault plan, the run log (`rayhybrid.driver.runlog`, the one writer of the run's
-files), the checkpoint ledger (`rayhybrid.driver.checkpoints`), the healing
-(`rayhybrid.driver.healing`) and the drain watch. The one attribute a run changes is
-`stop_requested`, which the SIGTERM handler sets.
+files, with its reporters attached), the checkpoint ledger (`rayhybrid.driver.checkpoints`),
+the drain watch, the launcher (`rayhybrid.driver.launcher`: it builds, rebuilds and restores
+the worker group) and the SIGTERM watch. The one collaborator a run replaces is the worker
+group: a start builds it (a start that failed leaves none), resizes and recoveries rebuild it,
+and it is the one home of the replica slots in use, hence of dp.
 """
 
 from __future__ import annotations
@@ -22,20 +24,20 @@ import time
 
 import ray
 
-from rayhybrid.cluster.connect import connect, resolve_shape
+from rayhybrid.cluster.connect import connect
 from rayhybrid.cluster.group import WorkerGroup
-from rayhybrid.cluster.placement import check_capacity
 from rayhybrid.config.schema import Config, with_dp
 from rayhybrid.config.topology import Layout
 from rayhybrid.data.identity import data_identity
 from rayhybrid.driver.checkpoints import CheckpointLedger
 from rayhybrid.driver.compatibility import check_fits
-from rayhybrid.driver.healing import Healing
+from rayhybrid.driver.launcher import Launcher
 from rayhybrid.driver.observe import Observer
 from rayhybrid.driver.policies import Failure, FailurePolicy, ScalingPolicy
-from rayhybrid.driver.preemption import DrainWatch, slots_on, why_not_placed
+from rayhybrid.driver.preemption import DrainWatch
 from rayhybrid.driver.records import Interruption
-from rayhybrid.driver.runlog import RunLog, announce
+from rayhybrid.driver.reporting import Tracked
+from rayhybrid.driver.runlog import RunLog
 from rayhybrid.driver.state import Failed, Finished, Recovering, Resizing, RunState, Starting, State, Stopped, Training
 from rayhybrid.errors import RayHybridError, RunFailed, WorkerError
 from rayhybrid.faults import FaultPlan, Injection
@@ -56,10 +58,11 @@ class Controller:
         self.drains: DrainWatch | None = None
         self.log: RunLog | None = None
         self.ledger: CheckpointLedger | None = None
-        self.healing: Healing | None = None
-        self.shape = None
-        self.found = None  # the latest checkpoint when the run opened: what its first start restores
-        self.stop_requested: str | None = None  # set by the SIGTERM handler
+        self.launcher: Launcher | None = None
+        self.sigterm = Sigterm()
+        self.group: WorkerGroup | None = None
+        """The worker group in use: built by a start, rebuilt by resizes and recoveries; None
+        before a start succeeds and after one that failed."""
         self.handlers = {
             Starting: self.on_starting,
             Training: self.on_training,
@@ -69,13 +72,13 @@ class Controller:
 
     def run(self) -> dict:
         self.log = RunLog(self.cfg)
-        self.log.observer = Observer(self.cfg, self.log.dir)
-        self.log.summary.checkpoint_dir = redact_url(self._checkpoint_url())
+        self.log.attach(Observer(self.cfg, self.log.dir))
+        self.log.checkpoints_in(redact_url(self._checkpoint_url()))
         state: State = Starting(RunState())
-        status, error, started_ray, previous = "failed", None, False, None
+        status, error, started_ray = "failed", None, False
         try:
             started_ray = self.open()
-            previous = _on_sigterm(self._request_stop)  # after ray.init, which installs its own
+            self.sigterm.install()  # after ray.init, which installs its own
             self.prepare()
             while not state.terminal:
                 state = self.handlers[type(state)](state)
@@ -89,7 +92,7 @@ class Controller:
             error = str(err)
             raise
         finally:
-            _on_sigterm(previous)
+            self.sigterm.uninstall()
             summary = self._close(state, started_ray, status, error)
         return _report(summary, self.log.dir / "summary.json")
 
@@ -99,12 +102,12 @@ class Controller:
         store names), then Ray. Returns whether this run started Ray."""
         cfg = self.cfg
         store = open_store(self._checkpoint_url(), cfg.checkpoint.storage_options, setting="checkpoint.dir")
-        self.log.summary.checkpoint_dir = store.display
+        self.log.checkpoints_in(store.display)
         self.ledger = CheckpointLedger(cfg, store, self.log)
         self.drains = DrainWatch(cfg, self.scaling, self.ledger)
-        self.healing = Healing(cfg, self.log)
-        self.found = self.ledger.latest()  # listed once: the trackers, the model check and the first start use it
-        self.log.trackers = Trackers.open(cfg, self.log.dir, store, checkpoint_found=self.found is not None)
+        found = self.ledger.latest()  # listed once: the trackers, the model check and the first start use it
+        self.launcher = Launcher(cfg, self.scaling, self.ledger, self.drains, self.log, found)
+        self.log.attach(Tracked(Trackers.open(cfg, self.log.dir, store, checkpoint_found=found is not None)))
         return connect(cfg)
 
     def _checkpoint_url(self) -> str:
@@ -113,53 +116,33 @@ class Controller:
     def prepare(self) -> None:
         """Before the first start: the checkpoint to resume fits this run (its model, global batch
         and data), and the cluster can ever hold the run."""
-        check_fits(self.found, self.cfg, data_identity(self.cfg.data) if self.found else None)
-        self.shape = resolve_shape(self.cfg)
-        check_capacity(self.shape, self.scaling.min_dp)
-        announce(self.cfg, self.scaling, self.shape.use_gpu)
+        found = self.launcher.found
+        check_fits(found, self.cfg, data_identity(self.cfg.data) if found else None)
+        self.launcher.prepare()
 
     # -- states ------------------------------------------------------------------------------
 
     def on_starting(self, state: Starting) -> Training | Recovering:
         """Place the replicas, start the workers on them and restore the latest checkpoint. A
-        start that fails leaves nothing behind."""
-        run, intr = state.run, state.pending
-        group = WorkerGroup(self.cfg, self.shape, self.scaling.slots)
-        mark = time.perf_counter()
-        slots = tuple(self.scaling.on_start(group.reserve(self.scaling.min_dp)))
-        placed = time.perf_counter()
-        try:
-            run = self.ledger.check_storage(run, group, slots)
-            group.rebuild(list(slots))
-        except WorkerError as err:
-            group.shutdown(graceful=False)
+        start that fails leaves nothing behind, and the controller no group."""
+        start = self.launcher.start(state.run, state.pending)
+        if start.group is None:
             good = self.ledger.latest()
-            return self._failed(run, err, good.step + 1 if good else 1, None)
-        except BaseException:
-            group.shutdown(graceful=False)
-            raise
-        run = run.but(group=group, slots=slots)
-        if intr is not None:  # a start again, after the one before failed
-            init_s = time.perf_counter() - placed
-            intr = intr.but(place_s=placed - mark, init_s=init_s, dp_before=intr.dp_before or run.dp, dp_after=run.dp)
-        try:
-            run, intr = self._restore(run, intr)
-        except BaseException:  # the state with this group is not returned: stop it here
-            group.shutdown(graceful=False)
-            raise
-        self.log.started_up(len(group.workers))
-        return Training(run.but(train_started=time.perf_counter()), intr)
+            return self._failed(start.run, start.error, good.step + 1 if good else 1, None)
+        self.group = start.group
+        self.log.started_up(len(self.group.workers))
+        return Training(start.run.but(train_started=time.perf_counter()), start.pending)
 
     def on_training(self, state: Training) -> State:
         """One step; a checkpoint when one is due, and then perhaps a resize."""
         run = state.run
         if run.step >= self.cfg.train.steps:
             return self._finish(run)
-        if self.stop_requested:
+        if self.sigterm.received:
             return self._stop(run)
-        inject = self.log.injected(self.faults.due(run.step + 1, "step", _world(self.cfg, run)))
+        inject = self.log.injected(self.faults.due(run.step + 1, "step", _world(self.cfg, self.dp)))
         try:
-            (result,) = run.group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
+            (result,) = self.group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
         except WorkerError as err:
             return self._failed(run, err, run.step + 1, inject)
         if state.pending is not None:
@@ -171,21 +154,19 @@ class Controller:
     def on_resizing(self, state: Resizing) -> Training | Recovering:
         """Grow onto the slots given, restarting from the checkpoint just written."""
         run, intr = state.run, state.interruption
-        self.log.resizing(run.dp, len(state.slots), intr)
+        self.log.resizing(self.dp, len(state.slots), intr)
         mark = time.perf_counter()
-        try:
-            run = self.ledger.check_storage(run, run.group, state.slots).but(slots=state.slots)
-            run.group.rebuild(list(state.slots))
-        except WorkerError as err:
+        run, err = self.launcher.rebuild(run, self.group, state.slots)
+        if err is not None:
             return self._failed(run, err, intr.step + 1, None)
-        return self._resume(run, intr.but(init_s=time.perf_counter() - mark, dp_after=run.dp), heal=False)
+        return self._resume(run, intr.but(init_s=time.perf_counter() - mark, dp_after=self.dp), heal=False)
 
     def on_recovering(self, state: Recovering) -> Training | Starting | Recovering | Failed:
         """Keep the workers that survived, decide (restart or give up), replace what is gone
         (an elastic run shrinks when replicas cannot be placed again), restore."""
         run, intr = state.run, state.interruption
         mark = time.perf_counter()
-        drained = run.group.drain() if run.group is not None else None
+        drained = self.group.drain() if self.group is not None else None
         failure = Failure(intr.step, str(state.error), state.injected or bool(drained and drained.nodes_lost))
         decision = self.failures.decide(failure, run.failures, run.restarts)
         run = run.but(failures=(*run.failures, failure))
@@ -194,7 +175,7 @@ class Controller:
         run = run.but(restarts=run.restarts + 1)
         intr = intr.but(restart=run.restarts)
         log.warning("restart %d/%d: replacing the failed workers", intr.restart, self.cfg.fault.max_restarts)
-        if run.group is None:  # the start failed: start again
+        if self.group is None:  # the start failed: start again
             return Starting(run, intr)
         found_s = drained.found_s if drained else 0.0  # finding what failed is detection
         intr = intr.but(detect_s=intr.detect_s + found_s, teardown_s=time.perf_counter() - mark - found_s)
@@ -205,18 +186,18 @@ class Controller:
     def _after_step(self, run: RunState, last_step_at: float) -> State:
         """After step `run.step`: move off a draining node, or save when a checkpoint is due."""
         step = run.step
-        notice = self.drains.notice(run.group, run.slots, run.evacuated) if step < self.cfg.train.steps else {}
+        notice = self.drains.notice(self.group, run.evacuated) if step < self.cfg.train.steps else {}
         if notice:  # checkpoint this step, then move off the draining nodes
             self.drains.announce(notice, step)
-            run, err = self.ledger.save_now(run)
+            run, err = self.ledger.save_now(run, self.group)
             if err is not None:
                 return self._failed(run, err, step + 1, None)
-            return self.drains.evacuate(run, notice, last_step_at)
+            return self.drains.evacuate(run, self.group, notice, last_step_at)
         if not self.cfg.checkpoint.due(step, self.cfg.train.steps):
             return Training(run)
-        inject = self.log.injected(self.faults.due(step, "save", _world(self.cfg, run)))
+        inject = self.log.injected(self.faults.due(step, "save", _world(self.cfg, self.dp)))
         try:
-            run = self.ledger.save(run, step, inject)
+            run = self.ledger.save(run, self.group, step, inject)
         except WorkerError as err:
             return self._failed(run, err, step + 1, inject)
         return Training(run) if step >= self.cfg.train.steps else self._grow(run, last_step_at)
@@ -224,75 +205,55 @@ class Controller:
     def _grow(self, run: RunState, last_step_at: float) -> Training | Resizing | Recovering:
         """At a checkpoint boundary: grow when more replicas are placed than in use. A resize
         restarts from this checkpoint, so its upload must be done."""
-        slots = self.scaling.on_checkpoint(list(run.slots), run.group.placed_slots())
+        slots = self.scaling.on_checkpoint(list(self.group.slots), self.group.placed_slots())
         if slots is None:
             return Training(run)
         try:
-            run, _ = self.ledger.wait(run)
+            run, _ = self.ledger.wait(run, self.group)
         except WorkerError as err:
             return self._failed(run, err, run.step + 1, None)
         if run.committed != run.step:
             return Training(run)  # it failed (reported): go on, a later checkpoint may resize
-        cause = f"{len(slots) - run.dp} more replica(s) placed"
+        cause = f"{len(slots) - self.dp} more replica(s) placed"
         save_s = time.perf_counter() - last_step_at
         return Resizing(
-            run, tuple(slots), Interruption("grow", cause, run.step, run.dp, save_s=save_s, since=last_step_at)
+            run, tuple(slots), Interruption("grow", cause, run.step, self.dp, save_s=save_s, since=last_step_at)
         )
 
     def _replace(self, run: RunState, intr: Interruption, drained) -> Training | Recovering | Failed:
-        """After the teardown: wait for the broken replicas to be placed again (elsewhere, if
-        their node is draining), rebuild on the slots the scaling policy keeps, restore."""
-        group, mark = run.group, time.perf_counter()
-        draining = self.drains.draining()
-        moving = slots_on(group, drained.broken, draining)
-        if moving:  # replicas that lost workers on a node being drained go elsewhere
-            group.replace(moving)
-            run = run.but(evacuated=run.evacuated | draining)
-        elastic, cluster = self.cfg.elastic, self.cfg.cluster
-        wait_s = elastic.reschedule_timeout_s if self.scaling.elastic else cluster.placement_timeout_s
-        lost = group.wait_placed(drained.broken, wait_s)
-        slots = tuple(self.scaling.on_loss(list(run.slots), lost))
+        """After the teardown: wait for the broken replicas to be placed again, rebuild on the
+        slots the scaling policy keeps, restore."""
+        mark = time.perf_counter()
+        run, slots, why = self.launcher.replace(run, self.group, drained)
         if not slots:
-            return Failed(
-                run, RunFailed(f"{why_not_placed(self.scaling, run.dp, lost, wait_s)}; {self.ledger.last_good()}")
-            )
+            return Failed(run, RunFailed(f"{why}; {self.ledger.last_good()}"))
         intr, mark = intr.but(place_s=time.perf_counter() - mark), time.perf_counter()
-        try:
-            run = self.ledger.check_storage(run, group, slots).but(slots=slots)
-            group.rebuild(list(slots))
-        except WorkerError as err:  # a rank lost while the group joins again
+        run, err = self.launcher.rebuild(run, self.group, slots)
+        if err is not None:  # a rank lost while the group joins again
             return self._failed(run, err, intr.step, None, recovery=intr)
-        intr = intr.but(init_s=time.perf_counter() - mark, dp_after=run.dp, replaced_ranks=sorted(drained.dead))
+        intr = intr.but(init_s=time.perf_counter() - mark, dp_after=self.dp, replaced_ranks=sorted(drained.dead))
         return self._resume(run, intr, heal=True)
-
-    def _request_stop(self, signum, frame) -> None:
-        """The SIGTERM handler: stop at the next step boundary (a handler must not interrupt a
-        Ray call half-way)."""
-        name = signal.Signals(signum).name
-        if self.stop_requested is None:
-            log.warning("%s: saving a checkpoint and stopping after the step in progress", name)
-        self.stop_requested = name
 
     def _stop(self, run: RunState) -> Stopped | Recovering:
         """Save the steps trained since the last checkpoint (unless checkpoint.every=0), wait
         for the upload, and stop."""
-        run, err = self.ledger.save_now(run)
+        run, err = self.ledger.save_now(run, self.group)
         if err is not None:
             return self._failed(run, err, run.step + 1, None)
         kept = (
             f"checkpoint {self.log.summary.last_checkpoint}" if run.committed == run.step else self.ledger.last_good()
         )
-        return Stopped(run, f"stopped by {self.stop_requested} after step {run.step}; {kept}")
+        return Stopped(run, f"stopped by {self.sigterm.received} after step {run.step}; {kept}")
 
     def _finish(self, run: RunState) -> Finished | Recovering | Failed:
         """The last step is trained: its checkpoint must be committed before the run is done. If
         its save failed, or a heal abandoned it, the state is in memory: save it once more."""
         try:
-            run, done = self.ledger.wait(run)
+            run, done = self.ledger.wait(run, self.group)
             lost = done is None and self.cfg.checkpoint.enabled and run.step not in (run.committed, run.first_restore)
             if lost or done is not None and done.error is not None:
-                run = self.ledger.save(run, run.step, None)
-                run, done = self.ledger.wait(run)
+                run = self.ledger.save(run, self.group, run.step, None)
+                run, done = self.ledger.wait(run, self.group)
         except WorkerError as err:
             return self._failed(run, err, run.step, None)
         if done is not None and done.error is not None:
@@ -308,31 +269,20 @@ class Controller:
         log.warning("step %d failed: %s", step, err)
         detect = max(0.0, time.time() - self.log.history[-1]["time"]) if self.log.history else 0.0
         good = self.ledger.latest()
-        intr = Interruption("restart", str(err), step, run.dp, resume_step=good.step if good else 0, detect_s=detect)
+        intr = Interruption("restart", str(err), step, self.dp, resume_step=good.step if good else 0, detect_s=detect)
         return Recovering(run, err, intr, injected=inject is not None)
 
     def _resume(self, run: RunState, intr: Interruption, heal: bool) -> Training | Recovering:
         """Heal or restore the rebuilt group; a failure meanwhile is recovered from in turn."""
         try:
-            return Training(*self._restore(run, intr, heal))
+            return Training(*self.launcher.restore(run, self.group, intr, heal))
         except WorkerError as err:
             return self._failed(run, err, run.step + 1, None, recovery=intr)
 
-    def _restore(self, run: RunState, intr, heal: bool = False) -> tuple[RunState, Interruption | None]:
-        """After a failure (`heal`), heal from the survivors' state when the heal policy says
-        so, else load the latest checkpoint into the group (if any); describe the workers."""
-        latest = self.found if run.first_restore is None else self.ledger.latest()
-        healed = self.healing.heal(run, intr, latest) if heal else None
-        if healed is not None:
-            run, intr, finished = healed
-            run = self.ledger.saved(run, finished)
-        else:
-            run, intr = self.ledger.restore(run, intr, latest)
-        group = run.group
-        self.log.workers(
-            with_dp(self.cfg, run.dp), group.placement(), [i.pid for i in group.infos], group.descriptions[0]
-        )
-        return run, intr
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas in use: the group's (0 without one)."""
+        return self.group.dp if self.group is not None else 0
 
     def _close(self, state: State, started_ray: bool, status: str, error: str | None) -> dict:
         """summary.json from the run log and the final run state; the workers and Ray stopped."""
@@ -341,8 +291,8 @@ class Controller:
         train_s = round(time.perf_counter() - run.train_started, 3) if ended else None
         best = self.ledger.best() if self.ledger is not None else None
         summary = self.log.close(status, error, restarts=run.restarts, train_s=train_s, best_checkpoint=best)
-        if run.group is not None:
-            run.group.shutdown(graceful=status == "completed")
+        if self.group is not None:
+            self.group.shutdown(graceful=status == "completed")
         if started_ray:
             ray.shutdown()
         return summary
@@ -369,17 +319,37 @@ def _report(s: dict, path) -> dict:
     return s
 
 
-def _world(cfg: Config, run: RunState) -> int:
-    return Layout.of(with_dp(cfg, run.dp)).world_size
+def _world(cfg: Config, dp: int) -> int:
+    return Layout.of(with_dp(cfg, dp)).world_size
 
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def _on_sigterm(handler):
-    """Install `handler` for SIGTERM; returns the one before. Only the main thread may (a run
-    in another thread, e.g. a test's, keeps the default)."""
-    if handler is None or threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
+class Sigterm:
+    """SIGTERM (`ray job stop`, a reclaimed head node) asks the run to stop at the next step
+    boundary: a handler must not interrupt a Ray call half-way, so it only notes the signal
+    (`received`), which the controller reads before each step."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.previous = None
+
+    def install(self) -> None:
+        """Handle SIGTERM from now on. Only the main thread may (a run in another thread, e.g.
+        a test's, keeps the default)."""
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        """The handler before `install` again."""
+        if self.previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.previous)
+        self.previous = None
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            log.warning("%s: saving a checkpoint and stopping after the step in progress", name)
+        self.received = name

@@ -4,7 +4,7 @@ transfer. The workers' side is rayhybrid/trainer/heal.py; docs/recovery-and-elas
 says what is kept, when and at what cost.
 
     healing = Healing(cfg, runlog)
-    healed = healing.heal(run, intr, latest)   # (run, intr) at the healed step, or None
+    healed = healing.heal(run, group, intr, latest)   # (run, intr, saves) at the healed step, or None
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 
-from rayhybrid.cluster.heal import heal, held, trace
 from rayhybrid.cluster.merge import merge_steps
 from rayhybrid.config.schema import Config
 from rayhybrid.driver.policies import HealPlan, HealPolicy
@@ -29,20 +28,21 @@ class Healing:
         self.policy = HealPolicy(cfg.fault.heal)
         self.log = runlog
 
-    def heal(self, run: RunState, intr: Interruption, latest) -> tuple[RunState, Interruption, list[SaveResult]] | None:
-        """Heal the rebuilt group from the state its survivors kept, when the policy says so:
+    def heal(
+        self, run: RunState, group, intr: Interruption, latest
+    ) -> tuple[RunState, Interruption, list[SaveResult]] | None:
+        """Heal the rebuilt `group` from the state its survivors kept, when the policy says so:
         the run state at the healed step, the interruption with its figures, and the saves
         that the step the driver never had reported. None: restore `latest` instead."""
-        group = run.group
         topo = group.layout.topology
-        kept = held(group)
-        plan = self._plan(run, kept, latest)
+        kept = group.held()
+        plan = self._plan(run, topo, kept, latest)
         if plan is None:
             return None
         log.info("healing %d rank(s) from their data-parallel peers at step %d", plan.transfers, plan.step)
         sources = _by_rank(topo, plan)
         mark = time.perf_counter()
-        done = heal(group, sources)
+        done = group.heal(sources)
         sent = sum(r.nbytes for rank, r in enumerate(done) if rank not in sources)  # what the senders sent
         took = time.perf_counter() - mark
         astray = {rank: r.step for rank, r in enumerate(done) if r.step != plan.step}
@@ -73,9 +73,8 @@ class Healing:
         self.log.event({"event": "heal", "step": plan.step, "ranks": sorted(sources), "bytes": sent})
         return run.but(step=plan.step, uploading=False), intr, finished
 
-    def _plan(self, run: RunState, kept: list[HeldState | None], latest) -> HealPlan | None:
-        """The heal policy's plan for what the ranks kept, or None (with the reason logged)."""
-        topo = run.group.layout.topology
+    def _plan(self, run: RunState, topo, kept: list[HeldState | None], latest) -> HealPlan | None:
+        """The heal policy's plan for what the ranks of `topo` kept, or None (with the reason logged)."""
         copies: dict[tuple[int, int], list] = {}
         for rank, k in enumerate(kept):
             c = topo.coord(rank)
@@ -105,7 +104,7 @@ def _record(group, done: list[HealResult]) -> StepResult:
         traced = {row["sample"] for rows in record["data_read"].values() for row in rows}
         lost = [r for r in record["samples"] if r[0] not in traced]
         if lost:
-            record["data_read"]["0"] = [*record["data_read"].get("0", []), *trace(group, record["step"], lost)]
+            record["data_read"]["0"] = [*record["data_read"].get("0", []), *group.trace(record["step"], lost)]
     return result
 
 

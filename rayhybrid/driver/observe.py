@@ -2,10 +2,10 @@
 with the held-out loss (the step metrics themselves come from the workers; TensorBoard's event
 files are a tracker's, rayhybrid.tracking).
 
-    observer = Observer(cfg, run_dir)
-    observer.started(placement, device_name)      # once the workers describe themselves
-    metrics = observer.step(metrics)              # adds tflops/mfu, keeps trace spans aside
-    observer.close(summary, history)              # trace.json, loss.png, summary figures
+    observer = Observer(cfg, run_dir)             # a reporter: runlog.attach(observer)
+    observer.after_workers_start(placement, description)   # once the workers describe themselves
+    metrics = observer.before_step(metrics)       # adds tflops/mfu, keeps trace spans aside
+    observer.before_close(summary, history)       # trace.json, loss.png, summary figures
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rayhybrid.config.schema import Config
+from rayhybrid.driver.reporting import Reporter
 from rayhybrid.models.registry import get_spec
 from rayhybrid.tracking import tensorboard_dir
 
@@ -49,7 +50,10 @@ def device_peak_tflops(cfg: Config, device_name: str) -> float | None:
     return None
 
 
-class Observer:
+class Observer(Reporter):
+    """The run log's reporter of figures: FLOP/s and MFU on each step, and at the end the
+    summary's figures, trace.json and loss.png."""
+
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.cfg = cfg
         self.dir = run_dir
@@ -58,11 +62,11 @@ class Observer:
         self.ranks: list[dict] = []
         self.trace: list[dict] = []
 
-    def started(self, placement: list[dict], device_name: str) -> None:
+    def after_workers_start(self, placement: list[dict], description: dict) -> None:
         self.ranks = [{k: p[k] for k in ("rank", "dp", "pp", "tp")} for p in placement]
-        self.peak = device_peak_tflops(self.cfg, device_name)
+        self.peak = device_peak_tflops(self.cfg, description["device_name"])
 
-    def step(self, metrics: StepMetrics) -> StepMetrics:
+    def before_step(self, metrics: StepMetrics) -> StepMetrics:
         """Adds `tflops` (achieved by the whole job: model FLOPs per token x tokens / step time)
         and `mfu` (that over the peak of all its devices, when the peak is known)."""
         metrics = dict(metrics)
@@ -74,7 +78,7 @@ class Observer:
         metrics["mfu"] = metrics["tflops"] / (self.peak * world) if self.peak else None
         return metrics
 
-    def close(self, summary: dict, history: list[dict]) -> None:
+    def before_close(self, summary: dict, history: list[dict]) -> None:
         steady = history[1:] or history
         if steady:
             summary["mean_tflops"] = round(sum(m["tflops"] for m in steady) / len(steady), 6)

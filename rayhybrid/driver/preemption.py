@@ -32,16 +32,16 @@ class DrainWatch:
         self.cloud = _in_background(detect_cloud) if cfg.cluster.spot_notices else None
         self.watched: dict[str, object] = {}  # node id -> its watcher actor
 
-    def notice(self, group, slots, evacuated: frozenset[str]) -> dict[str, float]:
-        """Nodes of the replicas in `slots` being drained and not moved off yet: node id ->
-        seconds left to the deadline (inf: none given). {} between polls."""
+    def notice(self, group, evacuated: frozenset[str]) -> dict[str, float]:
+        """Nodes of the replicas `group` trains on being drained and not moved off yet: node id
+        -> seconds left to the deadline (inf: none given). {} between polls."""
         now = time.monotonic()
         if now < self.next_poll:
             return {}
         self.next_poll = now + self.poll_s
         nodes = None  # the run's nodes, asked of Ray only when needed, at most once a poll
         if self.cloud is not None and self.cloud.done() and self.cloud.result():
-            nodes = group.nodes_of(list(slots))
+            nodes = group.nodes_of(list(group.slots))
             new = [n for n in nodes if n not in self.watched]
             if new:  # nodes the run uses now that no watcher has seen yet
                 self.watched.update(start_watchers(new, self.cfg.cluster.spot_poll_s))
@@ -49,7 +49,7 @@ class DrainWatch:
         draining = draining_nodes()
         if not draining:
             return {}
-        ours = set(nodes if nodes is not None else group.nodes_of(list(slots))) - evacuated
+        ours = set(nodes if nodes is not None else group.nodes_of(list(group.slots))) - evacuated
         return {n: (d / 1000 - time.time() if d else math.inf) for n, d in draining.items() if n in ours}
 
     @staticmethod
@@ -67,7 +67,7 @@ class DrainWatch:
             step,
         )
 
-    def evacuate(self, run: RunState, notice: dict[str, float], since: float) -> Resizing | Failed:
+    def evacuate(self, run: RunState, group, notice: dict[str, float], since: float) -> Resizing | Failed:
         """The step the run is at is checkpointed: move the replicas off the draining nodes
         before their deadline (elastic: go on with the others; fixed: wait for room elsewhere,
         up to cluster.placement_timeout_s). No step is trained twice. If the node goes first,
@@ -78,19 +78,19 @@ class DrainWatch:
             {"event": "preemption", "node": node, "deadline_s": round(left, 3) if math.isfinite(left) else None}
             | {"saved_step": saved, "lost_steps": run.step - saved}
         )
-        bad = slots_on(run.group, run.slots, notice)
-        run.group.replace(bad)
-        slots = self.scaling.on_loss(list(run.slots), set(bad)) if self.scaling.elastic else []
+        bad = slots_on(group, group.slots, notice)
+        group.replace(bad)
+        slots = self.scaling.on_loss(list(group.slots), set(bad)) if self.scaling.elastic else []
         mark = time.perf_counter()
         if not slots:  # a fixed-size run, or too few replicas left: wait for room elsewhere
             wait_s = self.cfg.cluster.placement_timeout_s
-            lost = run.group.wait_placed(bad, wait_s)
+            lost = group.wait_placed(bad, wait_s)
             if lost:
-                why = why_not_placed(self.scaling, run.dp, lost, wait_s)
+                why = why_not_placed(self.scaling, group.dp, lost, wait_s)
                 return Failed(run, RunFailed(f"{why}; {self.ledger.last_good()}"))
-            slots = list(run.slots)
+            slots = list(group.slots)
         place_s, cause = time.perf_counter() - mark, f"node {node[:8]} preempted"
-        intr = Interruption("preempt", cause, run.step, run.dp, save_s=mark - since, since=since, place_s=place_s)
+        intr = Interruption("preempt", cause, run.step, group.dp, save_s=mark - since, since=since, place_s=place_s)
         return Resizing(run, tuple(slots), intr)
 
 

@@ -1,7 +1,10 @@
 """The one writer of a run's outputs: metrics.jsonl, the step lines and progress bar,
-workers.json and summary.json, and the experiment trackers, which get every record too.
+workers.json and summary.json; its reporters (`rayhybrid.driver.reporting`: the observer, the
+experiment trackers) get every record too, at fixed points.
 
     log = RunLog(cfg)                             # <run dir>/metrics.jsonl
+    log.attach(reporter)                          # the observer, the trackers
+    log.checkpoints_in(store.display)             # the summary's checkpoint_dir
     log.step(metrics)                             # one optimizer step (a dict from the workers)
     log.event(record)                             # checkpoint, resume, fault_injected, preemption, ...
     log.interruption(interruption)                # a restart or resize, once its first step is done
@@ -30,6 +33,7 @@ from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
 from rayhybrid.driver.raytext import RayText
 from rayhybrid.driver.records import Interruption, RunSummary, StepMetrics
+from rayhybrid.driver.reporting import Reporter
 
 log = logging.getLogger("rayhybrid")
 
@@ -84,10 +88,9 @@ class RunLog:
         self.ray_text = RayText(self.dir)
         """Ray's own text, in the run's log file until `close` (or until this run log is gone)."""
         weakref.finalize(self, self.ray_text.close)
-        self.observer = None
-        """Adds FLOP/s and MFU to each step and the figures at close (rayhybrid.driver.observe)."""
-        self.trackers = None
-        """Experiment trackers (rayhybrid.tracking.Trackers) that get every record too."""
+        self.reporters: list[Reporter] = []
+        """What gets every record too, in the order attached: the observer (FLOP/s, MFU, the
+        figures at close), the experiment trackers."""
         self.summary = RunSummary(
             topology={**dataclasses.asdict(cfg.topology), **Layout.of(cfg).summary()},
             model=dataclasses.asdict(cfg.model),
@@ -98,17 +101,25 @@ class RunLog:
             checkpoint_dir="",
         )
 
+    def attach(self, reporter: Reporter) -> None:
+        """`reporter` gets the records from now on (`rayhybrid.driver.reporting`)."""
+        self.reporters.append(reporter)
+
+    def checkpoints_in(self, display: str) -> None:
+        """Where the run's checkpoints go, as the summary shows it (redacted)."""
+        self.summary.checkpoint_dir = display
+
     def step(self, metrics: StepMetrics) -> StepMetrics:
-        """Record one step (after the observer's figures); returns the record."""
+        """Record one step (after the reporters' figures); returns the record."""
         if "data_read" in metrics:  # data.trace: to data_trace/, not to metrics.jsonl
             self.data_trace.write(metrics.pop("data_read"))
-        if self.observer is not None:
-            metrics = self.observer.step(metrics)
+        for reporter in self.reporters:
+            metrics = reporter.before_step(metrics)
         metrics["time"] = time.time()  # wall clock when the driver had the step (for step-to-step intervals)
         self.history.append(metrics)
         self._write(metrics)
-        if self.trackers is not None:
-            self.trackers.step(metrics)
+        for reporter in self.reporters:
+            reporter.after_step(metrics)
         step, total = metrics["step"], self.cfg.train.steps
         if step % self.cfg.train.log_every == 0 or step == total or step == 1 or metrics.get("val_loss") is not None:
             self.bar.clear()
@@ -121,8 +132,8 @@ class RunLog:
         """A non-step record (has an "event" key); the summary folds it in."""
         self._write(record)
         self.summary.record(record)
-        if self.trackers is not None:
-            self.trackers.event(record)
+        for reporter in self.reporters:
+            reporter.on_event(record)
 
     def injected(self, injection):
         """A `fault.inject` fault due now (or None), recorded before it fires; returns it."""
@@ -193,8 +204,8 @@ class RunLog:
             "params": first["model_params"],
             "loss_floor": first["loss_floor"],
         }
-        if self.observer is not None:
-            self.observer.started(placement, first["device_name"])
+        for reporter in self.reporters:
+            reporter.after_workers_start(placement, first)
 
     def started_up(self, workers: int) -> None:
         """The first start is done: the start-up time, and a line saying so (once a run)."""
@@ -245,22 +256,23 @@ class RunLog:
         best_checkpoint: str | None = None,
     ) -> dict:
         """summary.json, with how the run ended and what the driver's final run state says
-        (`restarts`, `train_s`, `best_checkpoint`); the observer's figures; the trackers closed."""
+        (`restarts`, `train_s`, `best_checkpoint`), and the figures the reporters add; then
+        the reporters closed."""
         s = self.summary
         s.status, s.error, s.restarts, s.train_s, s.best_checkpoint = status, error, restarts, train_s, best_checkpoint
         s.finish(self.history)
         s.wall_s = round(time.perf_counter() - self.started, 3)
         figures = s.to_dict()
-        if self.observer is not None:
-            before = set(figures)
-            self.observer.close(figures, self.history)  # adds FLOP/s, MFU, bubble, memory, plots
-            s.figures = {k: v for k, v in figures.items() if k not in before}
+        before = set(figures)
+        for reporter in self.reporters:
+            reporter.before_close(figures, self.history)  # the observer: FLOP/s, MFU, bubble, memory, plots
+        s.figures = {k: v for k, v in figures.items() if k not in before}
         self.bar.clear()
         self.metrics_file.close()
         data = s.to_dict()
         self.write_json("summary.json", data, indent=2)
-        if self.trackers is not None:
-            self.trackers.close(data)
+        for reporter in self.reporters:
+            reporter.close(data)
         self.ray_text.close()  # (should something above raise: once this run log is gone)
         return data
 

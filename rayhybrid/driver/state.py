@@ -6,17 +6,20 @@
                   ├─(a call failed)─> Recovering ──> Training, Starting (the start failed) or Failed
                   └─(SIGTERM)─> a final checkpoint ──> Stopped (exit code 130)
 
-Every state carries the `RunState` (what outlives one state) and only the data its own
-transition needs. A handler of the controller takes a state and returns the next one; it never
-sets attributes on a shared object, so a state's inputs and outputs are in its signature and it
-can be tested with a `RunState` and a fake worker group (tests/test_driver_states.py).
+Every state carries the `RunState` (what outlives one state, as values) and only the data its
+own transition needs. The worker group is not part of it: it is a live object, held by the
+controller (built by a start, kept through resizes and recoveries), and the one home of which
+replica slots are in use, hence of dp. A handler of the controller takes a state and returns the
+next one; it never sets attributes on a shared object, so a state's inputs and outputs are in
+its signature and it can be tested with a `RunState` and a fake worker group
+(tests/test_driver_states.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from rayhybrid.driver.policies import Failure
 from rayhybrid.driver.records import Interruption
@@ -25,13 +28,9 @@ from rayhybrid.errors import RunFailed, WorkerError
 
 @dataclass(frozen=True)
 class RunState:
-    """What outlives one state of the run. Replaced, never changed: `run.but(step=5)`."""
+    """What outlives one state of the run, as values (the worker group, a live object, is the
+    controller's). Replaced, never changed: `run.but(step=5)`."""
 
-    group: Any = None
-    """The worker group in use (`rayhybrid.cluster.group.WorkerGroup`); None before a start
-    succeeds, and after a start that failed."""
-    slots: tuple[int, ...] = ()
-    """The replica slots in use, in data-parallel order: dp is their number."""
     step: int = 0
     """The last step trained."""
     restarts: int = 0
@@ -49,10 +48,6 @@ class RunState:
     """Nodes the run moved off after a preemption notice."""
     train_started: float | None = None
     """perf_counter() when the workers last started training (for train_s)."""
-
-    @property
-    def dp(self) -> int:
-        return len(self.slots)
 
     def but(self, **changes) -> RunState:
         return dataclasses.replace(self, **changes)
@@ -90,6 +85,7 @@ class Recovering(State):
 class Resizing(State):
     run: RunState
     slots: tuple[int, ...]
+    """The replica slots to train on next, in data-parallel order (the scaling decision)."""
     interruption: Interruption
 
 
