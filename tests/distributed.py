@@ -321,7 +321,7 @@ def forward_memory(rank: int, cfgs: dict) -> dict[str, dict]:
     trainer's memory meter; {label: {"live_before", "live_after", "categories" (bytes at the
     end of the forward), "losses" (of the two steps)}}."""
     from rayhybrid.trainer.loop import Trainer
-    from rayhybrid.trainer.memory import _by_category
+    from rayhybrid.trainer.memory_meter import _by_category
 
     out = {}
     for label, cfg in cfgs.items():

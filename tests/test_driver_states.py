@@ -13,9 +13,9 @@ import pytest
 
 from rayhybrid.cluster.drain import Drained
 from rayhybrid.config.topology import Topology
-from rayhybrid.driver.checkpoints import CheckpointLedger
 from rayhybrid.driver.controller import Controller
 from rayhybrid.driver.launcher import Launcher
+from rayhybrid.driver.ledger import CheckpointLedger
 from rayhybrid.driver.policies import Failure
 from rayhybrid.driver.records import Interruption
 from rayhybrid.driver.runlog import RunLog

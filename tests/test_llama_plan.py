@@ -164,7 +164,7 @@ def measure(rank: int, cfgs: dict, steps: int, forward: tuple[str, ...]) -> dict
     of a micro-batch under the step's context (autocast), twice, and the bytes the meter counts
     as saved for backward at its end, the lower (as tests/distributed.py's `forward_memory`)."""
     from rayhybrid.trainer.loop import Trainer
-    from rayhybrid.trainer.memory import _by_category
+    from rayhybrid.trainer.memory_meter import _by_category
 
     out = {}
     for label, cfg in cfgs.items():

@@ -1,4 +1,4 @@
-"""The CPU memory accounting (`metrics.memory`, rayhybrid/trainer/memory.py) against analytic
+"""The CPU memory accounting (`metrics.memory`, rayhybrid/trainer/memory_meter.py) against analytic
 values on the tiny model, the per-stage and per-phase peaks of a pipeline, and the budget that
 plays a device's capacity."""
 

@@ -29,7 +29,7 @@ def lines_format():
     """A format of the test's own, registered for the block: `.lines` files, one document per
     line, `field=` naming nothing (a line is all text). Defined here, not in a module of
     rayhybrid: Ray's tasks get the Format itself, its functions pickled by value."""
-    from rayhybrid.prepare.formats.base import rows
+    from rayhybrid.prepare.formats.format import rows
 
     def read(fs, path, field, where):
         texts = [line for line in fs.cat_file(path).decode("utf-8").splitlines() if line.strip()]

@@ -51,7 +51,7 @@ PLACE = "cluster/placement.py: whether the cluster can add nodes; Ray's drain st
 JOIN = "parallel/mesh.py joining: the short join timeout (without: torch's, one warning)"
 FORGET = "parallel/mesh.py forget_*: a rank rejoining after a failure (without: one warning)"
 PIPE = "parallel/pipeline.py: forward-only passes of the multi-stage schedules (evaluation)"
-MEMORY = "trainer/memory.py: the memory meter (tune.memory_budget_mb, the planner's check)"
+MEMORY = "trainer/memory_meter.py: the memory meter (tune.memory_budget_mb, the planner's check)"
 C10D = "torch.distributed.distributed_c10d"
 SCHEDULES = "torch.distributed.pipelining.schedules"
 MEM_TRACKER = "torch.distributed._tools.mem_tracker.MemTracker"
@@ -352,7 +352,7 @@ def test_the_scan_sees_each_kind_of_private_use(tmp_path):
 
 CORE = {
     "rayhybrid/parallel/data_parallel.py: torch.distributed._composable.replicate_with_fsdp",
-    "rayhybrid/trainer/memory.py: torch.distributed._tools.mem_tracker",
+    "rayhybrid/trainer/memory_meter.py: torch.distributed._tools.mem_tracker",
 }
 """Private modules imported at module level on purpose: what a layout cannot run without
 (`replicate` is data parallelism itself, with no public twin in torch 2.13: a torch that moved
@@ -421,7 +421,7 @@ def test_the_memory_meter_is_off_with_one_warning_in_a_torch_without_its_tracker
     from rayhybrid.preflight import load_config
     from rayhybrid.trainer.build import build_memory_meter
 
-    _gone(monkeypatch, "rayhybrid.trainer.memory", "torch.distributed._tools.mem_tracker")
+    _gone(monkeypatch, "rayhybrid.trainer.memory_meter", "torch.distributed._tools.mem_tracker")
     cfg = load_config(["metrics.memory=true"])
     assert build_memory_meter(cfg, torch.device("cpu"), [], []) is None
     (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -322,7 +322,7 @@ def test_a_commit_whose_report_was_lost_is_recorded_when_it_is_restored(tmp_path
     """An asynchronous save's commit reaches the driver with the next step's results; a failure
     in that step takes the report with it. Recovery restores that committed checkpoint, and the
     driver records it then, so every checkpoint resumed from was recorded as saved."""
-    from rayhybrid.driver.checkpoints import CheckpointLedger
+    from rayhybrid.driver.ledger import CheckpointLedger
     from rayhybrid.driver.state import RunState
     from rayhybrid.preflight import load_config
     from rayhybrid.storage.checkpoints import Checkpoint

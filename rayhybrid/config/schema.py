@@ -316,7 +316,7 @@ class MetricsConfig:
     memory: bool = False
     """Measure peak memory per pipeline stage and phase (forward, backward, optimizer) every
     step: the CUDA allocator's peaks, or on CPU an exact count of tensor bytes (slower: every
-    operator is seen by a dispatch mode). See rayhybrid/trainer/memory.py."""
+    operator is seen by a dispatch mode). See rayhybrid/trainer/memory_meter.py."""
     trace_steps: tuple[int, ...] = ()
     """Optimizer steps (1-based) to record in trace.json: a Chrome trace, one track per rank with
     forward, backward, optimizer and communication spans."""

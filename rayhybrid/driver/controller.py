@@ -8,7 +8,7 @@ failure policy says restart or give up, the scaling policy which replica slots t
 the heal policy whether a recovery heals from the survivors' state or restores a checkpoint.
 What stays on the Controller are its collaborators, built once when the run opens: the
 policies, the fault plan, the run log (`rayhybrid.driver.runlog`, the one writer of the run's
-files, with its reporters attached), the checkpoint ledger (`rayhybrid.driver.checkpoints`),
+files, with its reporters attached), the checkpoint ledger (`rayhybrid.driver.ledger`),
 the drain watch, the launcher (`rayhybrid.driver.launcher`: it builds, rebuilds and restores
 the worker group) and the SIGTERM watch. The one collaborator a run replaces is the worker
 group: a start builds it (a start that failed leaves none), resizes and recoveries rebuild it,
@@ -29,9 +29,9 @@ from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.config.schema import Config, with_dp
 from rayhybrid.config.topology import Layout
 from rayhybrid.data.identity import data_identity
-from rayhybrid.driver.checkpoints import CheckpointLedger
 from rayhybrid.driver.compatibility import check_fits
 from rayhybrid.driver.launcher import Launcher
+from rayhybrid.driver.ledger import CheckpointLedger
 from rayhybrid.driver.observe import Observer
 from rayhybrid.driver.policies import Failure, FailurePolicy, ScalingPolicy
 from rayhybrid.driver.preemption import DrainWatch

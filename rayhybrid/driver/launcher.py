@@ -25,8 +25,8 @@ from rayhybrid.cluster.drain import Drained
 from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.cluster.placement import ReplicaShape, check_capacity
 from rayhybrid.config.schema import Config, with_dp
-from rayhybrid.driver.checkpoints import CheckpointLedger
 from rayhybrid.driver.healing import Healing
+from rayhybrid.driver.ledger import CheckpointLedger
 from rayhybrid.driver.policies import ScalingPolicy
 from rayhybrid.driver.preemption import DrainWatch, slots_on, why_not_placed
 from rayhybrid.driver.records import Interruption

@@ -7,7 +7,7 @@ for backward, its parameter and FLOP counts) comes from its spec's `MemoryModel`
 rayhybrid/models/llama3/memory.py).
 
 Memory is counted the way the trainer's meter counts it (`metrics.memory=true`,
-rayhybrid/trainer/memory.py): bytes of live tensor storages. The counts come from the model's
+rayhybrid/trainer/memory_meter.py): bytes of live tensor storages. The counts come from the model's
 operators (what autograd saves for backward) and from what torch 2.13's pipelining, DTensor,
 FSDP2 and `replicate` keep around them, as measured on CPU with that meter (tests/test_memory.py,
 tests/test_plan.py). Symbols: b micro-batch, s sequence length, d model width, a attention width

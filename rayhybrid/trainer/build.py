@@ -26,7 +26,7 @@ from rayhybrid.storage.store import one_line
 from rayhybrid.trainer.optim import build_optimizer
 
 if TYPE_CHECKING:
-    from rayhybrid.trainer.memory import MemoryMeter
+    from rayhybrid.trainer.memory_meter import MemoryMeter
 
 Stages = list[tuple[int, torch.nn.Module]]
 """(stage index, module) for each pipeline stage a rank owns, in the order it owns them."""
@@ -135,7 +135,7 @@ def build_memory_meter(
     if not cfg.metrics.memory:
         return None
     try:
-        from rayhybrid.trainer.memory import MemoryMeter
+        from rayhybrid.trainer.memory_meter import MemoryMeter
     except ImportError as err:
         logging.getLogger("rayhybrid").warning(
             "metrics.memory is off: this torch's memory tracker moved (%s); use torch==2.13.0", one_line(err)

@@ -12,7 +12,7 @@ the index's record), so adding one touches its module and the list of built-ins 
 from __future__ import annotations
 
 from rayhybrid.prepare.formats import hf, jsonl, parquet, text
-from rayhybrid.prepare.formats.base import Format
+from rayhybrid.prepare.formats.format import Format
 from rayhybrid.prepare.formats.registry import AUTO, FORMATS, fix_format, format_of, get, names, register, with_marker
 
 for _module in (text, jsonl, parquet, hf):

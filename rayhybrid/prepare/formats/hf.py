@@ -9,7 +9,7 @@ import posixpath
 from collections.abc import Iterator
 
 from rayhybrid.errors import ConfigError
-from rayhybrid.prepare.formats.base import Format, check_columns, rows
+from rayhybrid.prepare.formats.format import Format, check_columns, rows
 from rayhybrid.prepare.formats.registry import fix_format
 from rayhybrid.storage.store import one_line, redact_url
 

@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator
 
 from rayhybrid.errors import ConfigError
-from rayhybrid.prepare.formats.base import READ_ROWS, Format, no_field, rows
+from rayhybrid.prepare.formats.format import READ_ROWS, Format, no_field, rows
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from rayhybrid.prepare.formats.base import READ_ROWS, Format, check_columns, rows
+from rayhybrid.prepare.formats.format import READ_ROWS, Format, check_columns, rows
 
 
 def read(fs, path: str, field: str, where: str) -> Iterator[dict]:

@@ -6,7 +6,7 @@ the package that imports it."""
 from __future__ import annotations
 
 from rayhybrid.errors import ConfigError
-from rayhybrid.prepare.formats.base import Format
+from rayhybrid.prepare.formats.format import Format
 
 AUTO = "auto"
 FORMATS: dict[str, Format] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from rayhybrid.prepare.formats.base import Format, rows
+from rayhybrid.prepare.formats.format import Format, rows
 
 
 def read(fs, path: str, field: str, where: str) -> Iterator[dict]:
