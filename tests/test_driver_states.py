@@ -11,6 +11,7 @@ import types
 import pytest
 
 from rayhybrid.cluster.drain import Drained
+from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.config.topology import Topology
 from rayhybrid.driver.checkpoints import CheckpointLedger
 from rayhybrid.driver.controller import Controller
@@ -46,8 +47,9 @@ class FakeGroup:
 
     @property
     def workers(self) -> list:
-        """Fake actors: `held` and `heal` answer from `kept` (cluster/heal.py calls them): a
-        rank holds the step it kept, or its sender's, and reports that step's record."""
+        """Fake actors: `held` and `heal` answer from `kept` (the group's own `held`, `heal` and
+        `trace` below call them): a rank holds the step it kept, or its sender's, and reports
+        that step's record."""
 
         def worker(rank):
             def heal(src, receivers):
@@ -75,8 +77,9 @@ class FakeGroup:
 
         return [worker(rank) for rank in range(self.world)]
 
-    def _get(self, refs, timeout_s=None, what="call"):
-        return list(refs)
+    # The worker group's own heal calls, on the fake actors; their answers come back as they are.
+    held, heal, trace = WorkerGroup.held, WorkerGroup.heal, WorkerGroup.trace
+    remote_calls = types.SimpleNamespace(get=lambda refs, timeout_s=None, what="call": list(refs))
 
     def train(self, steps, timeout_s=None, inject=None):
         self.calls.append(("train", inject))

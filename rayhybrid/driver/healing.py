@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 
-from rayhybrid.cluster.heal import heal, held, trace
 from rayhybrid.cluster.results import merge_steps
 from rayhybrid.config.schema import Config
 from rayhybrid.driver.policies import HealPlan, HealPolicy
@@ -34,14 +33,14 @@ class Healing:
         that the step the driver never had reported. None: restore `latest` instead."""
         group = run.group
         topo = group.layout.topology
-        kept = held(group)
+        kept = group.held()
         plan = self._plan(run, kept, latest)
         if plan is None:
             return None
         log.info("healing %d rank(s) from their data-parallel peers at step %d", plan.transfers, plan.step)
         sources = _by_rank(topo, plan)
         mark = time.perf_counter()
-        done = heal(group, sources)
+        done = group.heal(sources)
         sent = sum(r["bytes"] for rank, r in enumerate(done) if rank not in sources)  # what the senders sent
         took = time.perf_counter() - mark
         astray = {rank: r["step"] for rank, r in enumerate(done) if r["step"] != plan.step}
@@ -103,7 +102,7 @@ def _record(group, done: list[dict]) -> dict:
         traced = {row["sample"] for rows in record["data_read"].values() for row in rows}
         lost = [r for r in record["samples"] if r[0] not in traced]
         if lost:
-            record["data_read"]["0"] = [*record["data_read"].get("0", []), *trace(group, record["step"], lost)]
+            record["data_read"]["0"] = [*record["data_read"].get("0", []), *group.trace(record["step"], lost)]
     return record
 
 
