@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayError
@@ -84,7 +84,7 @@ def drain(state: GroupState, calls: Calls) -> tuple[Drained, GroupState]:
         f"; {len(nodes_lost)} node(s) lost" if nodes_lost else "",
     )
     broken = frozenset(state.slots[topo.coord(rank).dp] for rank in dead)
-    after = replace(state, replicas={slot: tuple(actors) for slot, actors in replicas.items()}, store_host=None)
+    after = state.but(replicas={slot: tuple(actors) for slot, actors in replicas.items()}, store_host=None)
     return Drained(frozenset(dead), broken, frozenset(nodes_lost), found_s), after
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import ray
@@ -139,7 +138,7 @@ class WorkerGroup:
             stop(replicas.get(slot, []))
             replicas[slot] = (None,) * self.layout.topology.replica_size
             self.reservation.move(slot)
-        self._state = replace(self._state, replicas=replicas)
+        self._state = self._state.but(replicas=replicas)
 
     def rebuild(self, slots: list[int]) -> None:
         """Train on the replicas in `slots` (in this order: replica i is data-parallel rank i):
@@ -151,7 +150,7 @@ class WorkerGroup:
             stop(state.replicas[slot])
         kept = {slot: actors for slot, actors in state.replicas.items() if slot in slots or slot not in state.slots}
         replicas = {**kept, **self.launcher.actors(state.cfg, slots, kept)}
-        self._state = replace(state, cfg=with_dp(state.cfg, len(slots)), slots=tuple(slots), replicas=replicas)
+        self._state = state.but(cfg=with_dp(state.cfg, len(slots)), slots=tuple(slots), replicas=replicas)
         self._join()
 
     def drain(self) -> Drained:
@@ -174,10 +173,10 @@ class WorkerGroup:
         """Every worker takes its rank, joins a new process group (a fresh port) and builds its
         part of the model."""
         workers, timeout, get = self.workers, self.start_timeout_s, self.remote_calls.get
-        self._state = replace(self._state, infos=tuple(get([w.info.remote() for w in workers], timeout, "start")))
+        self._state = self._state.but(infos=tuple(get([w.info.remote() for w in workers], timeout, "start")))
         # Rank 0 serves the rendezvous; the drain closes it when a rank is lost during the join.
         master_port = get([workers[0].host_store.remote(len(workers))], timeout, "start")[0]
-        self._state = replace(self._state, store_host=workers[0])
+        self._state = self._state.but(store_host=workers[0])
         master_addr = self.infos[0].ip
         log.debug("%d workers joining a process group at %s:%d", len(workers), master_addr, master_port)
         gpus = visible_gpus(self.infos)
@@ -185,9 +184,9 @@ class WorkerGroup:
             w.setup.remote(master_addr, master_port, gpus[rank], rank=rank, cfg=self.cfg)
             for rank, w in enumerate(workers)
         ]
-        self._state = replace(self._state, descriptions=tuple(get(calls, timeout, "setup")))
+        self._state = self._state.but(descriptions=tuple(get(calls, timeout, "setup")))
         infos = get([w.info.remote() for w in workers], timeout, "start")  # with their new ranks
-        self._state = replace(self._state, infos=tuple(infos))
+        self._state = self._state.but(infos=tuple(infos))
 
     def reconfigure(self, cfg: Config) -> None:
         """Join every worker again under `cfg` (same topology; other settings may change, e.g.
@@ -195,7 +194,7 @@ class WorkerGroup:
         t, now = cfg.topology, self.cfg.topology
         if (t.dp, t.pp, t.tp) != (now.dp, now.pp, now.tp):
             raise ValueError("reconfigure keeps dp, pp and tp; use rebuild for another dp")
-        self._state = replace(self._state, cfg=cfg)
+        self._state = self._state.but(cfg=cfg)
         if self.remote_calls.unsettled():
             self.recover()
         else:

@@ -4,6 +4,7 @@ built when the group starts, resizes, recovers or joins again, and replaced whol
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,6 +35,10 @@ class GroupState:
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, MappingProxyType):
             object.__setattr__(self, "replicas", MappingProxyType(dict(self.replicas)))
+
+    def but(self, **changes) -> GroupState:
+        """A copy with `changes` (the group's next state)."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def layout(self) -> Layout:
