@@ -206,7 +206,9 @@ class TrainWorker:
     def heal(self, src: int | None, receivers: list[int]) -> dict:
         """Take the state the run heals to: the kept one (`src` None), sent on to `receivers`,
         or rank `src`'s over the network (`Healer.heal`)."""
-        return self._guarded(self.healer.heal, self.trainer, src, receivers)
+        # The trainer is looked up inside the call: on failure, `reset` must find it held by
+        # nothing else, or its process groups (and their connections) stay open.
+        return self._guarded(lambda: self.healer.heal(self.trainer, src, receivers))
 
     def trace(self, step: int, ranges: list[list[int]]) -> list[dict]:
         """data.trace: the rows of the samples in `ranges` ([start, count]) read in step `step`
