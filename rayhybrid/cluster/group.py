@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import ray
@@ -11,10 +12,10 @@ from ray.exceptions import RayError
 
 from rayhybrid.cluster.calls import Calls
 from rayhybrid.cluster.drain import Drained, drain, stop
-from rayhybrid.cluster.launch import Launcher
 from rayhybrid.cluster.placement import ReplicaShape
 from rayhybrid.cluster.reservation import Reservation
 from rayhybrid.cluster.results import merge_steps
+from rayhybrid.cluster.spawn import Spawner
 from rayhybrid.cluster.state import GroupState
 from rayhybrid.cluster.worker import TrainWorker
 from rayhybrid.config.schema import Config, with_dp
@@ -47,7 +48,7 @@ class WorkerGroup:
     ) -> None:
         self.shape = shape
         self.reservation = Reservation(shape, num_slots or cfg.topology.dp)
-        self.launcher = Launcher(cfg, shape, self.reservation, actor_cls)  # `actor_cls`: a test may probe
+        self.spawner = Spawner(cfg, shape, self.reservation, actor_cls)  # `actor_cls`: a test may probe
         self.remote_calls = Calls()
         self._state = GroupState(cfg)
 
@@ -70,7 +71,7 @@ class WorkerGroup:
         return self._state.slots
 
     @property
-    def replicas(self):
+    def replicas(self) -> Mapping[int, tuple]:
         """slot -> its actors (stage-major; None where one is to be started), read-only."""
         return self._state.replicas
 
@@ -94,7 +95,7 @@ class WorkerGroup:
     @property
     def env(self) -> dict[str, str]:
         """The driver's storage settings that the workers get (`forwarded_env`)."""
-        return self.launcher.env
+        return self.spawner.env
 
     @property
     def start_timeout_s(self) -> float:
@@ -149,7 +150,7 @@ class WorkerGroup:
         for slot in [s for s in state.slots if s not in slots]:
             stop(state.replicas[slot])
         kept = {slot: actors for slot, actors in state.replicas.items() if slot in slots or slot not in state.slots}
-        replicas = {**kept, **self.launcher.actors(state.cfg, slots, kept)}
+        replicas = {**kept, **self.spawner.actors(state.cfg, slots, kept)}
         self._state = state.but(cfg=with_dp(state.cfg, len(slots)), slots=tuple(slots), replicas=replicas)
         self._join()
 

@@ -1,4 +1,4 @@
-"""Starting the worker group's actors: the actor class, the user's code shipped with them, the
+"""Spawning the worker group's actors: the actor class, the user's code shipped with them, the
 driver's storage settings forwarded to them, and the bundle each one runs in."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rayhybrid.config.topology import Layout
 from rayhybrid.storage.store import forwarded_env
 
 
-class Launcher:
+class Spawner:
     """Starts actors in the slots of a `Reservation`, one per rank of a replica (stage-major),
     each in the bundle of its pipeline stage."""
 
