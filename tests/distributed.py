@@ -192,7 +192,7 @@ def train_many(rank: int, cfgs: dict, steps: int) -> dict[str, list[dict]]:
     for label, cfg in cfgs.items():
         try:
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
-            out[label] = [dict(tr.train_step()) for _ in range(steps)]
+            out[label] = [dict(tr.train_step().metrics) for _ in range(steps)]
         except Exception as exc:
             raise RuntimeError(f"config {label!r} failed on rank {rank}") from exc
         del tr
@@ -259,12 +259,15 @@ def checkpoint_then_continue(rank: int, cfg, root: str, before: int, after: int)
     from rayhybrid.trainer.loop import Trainer
 
     tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
-    first = [tr.train_step()["loss"] for _ in range(before)]
+    first = [tr.train_step().metrics["loss"] for _ in range(before)]
     saved = tr.save_checkpoint(root, keep=2)  # uploads while the next steps train
-    rest = [tr.train_step()["loss"] for _ in range(after)]
-    (done,) = tr.finished_checkpoints(wait=True) or [saved]  # committed now (async), or already
-    assert "error" not in done, done
-    return {"before": first, "after": rest, "path": saved["path"]}
+    results = [tr.train_step() for _ in range(after)]
+    # An upload that ended during a step is reported with that step's result, else by the wait.
+    reported = [s for r in results for s in r.saves] + tr.finished_checkpoints(wait=True)
+    (done,) = reported if saved.pending else [saved, *reported]  # once: async, or already committed
+    assert done.error is None, done
+    rest = [r.metrics["loss"] for r in results]
+    return {"before": first, "after": rest, "path": saved.path, "saved": saved, "done": done}
 
 
 def resume_many(rank: int, cfgs: dict, root: str, steps: int) -> dict[str, dict]:
@@ -280,7 +283,7 @@ def resume_many(rank: int, cfgs: dict, root: str, steps: int) -> dict[str, dict]
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
             tr.load_checkpoint(str(ckpt.path), ckpt.meta)
             start = tr.step
-            metrics = [tr.train_step() for _ in range(steps)]
+            metrics = [tr.train_step().metrics for _ in range(steps)]
             out[label] = {
                 "start": start,
                 "losses": [m["loss"] for m in metrics],
@@ -303,7 +306,7 @@ def forward_memory(rank: int, cfgs: dict) -> dict[str, dict]:
     out = {}
     for label, cfg in cfgs.items():
         tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
-        losses = [tr.train_step()["loss"] for _ in range(2)]
+        losses = [tr.train_step().metrics["loss"] for _ in range(2)]
         ((_, model),) = tr.stages
         x, y = tr.stream.batch(0, cfg.train.micro_batch_size)
         tracker = tr.memory.tracker
@@ -365,8 +368,8 @@ def _worlds_child(proc: int, cfgs: list, ranks: list[dict[int, int]], ports: lis
         for cfg, world, port in zip(cfgs, ranks, ports):
             if proc in world:
                 worker.setup("127.0.0.1", port, (), rank=world[proc], cfg=cfg)
-                (metrics,) = worker.train(1)
-                losses.append(metrics["loss"])
+                (result,) = worker.train(1)
+                losses.append(result.metrics["loss"])
                 worker.reset()
         out.put((proc, True, losses))
     except BaseException as err:  # noqa: BLE001 - reported to the parent
@@ -410,14 +413,14 @@ def train_save_resume(
     for label, cfg in fresh.items():
         try:
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
-            metrics = [dict(tr.train_step()) for _ in range(before)]
+            metrics = [dict(tr.train_step().metrics) for _ in range(before)]
             if label == source:
                 saved = tr.save_checkpoint(root, keep=2)  # uploads while the next steps train
-            metrics += [dict(tr.train_step()) for _ in range(after)]
+            metrics += [dict(tr.train_step().metrics) for _ in range(after)]
             if label == source:
                 (done,) = tr.finished_checkpoints(wait=True) or [saved]
-                assert "error" not in done, done
-                out["path"] = saved["path"]
+                assert done.error is None, done
+                out["path"] = saved.path
                 tr.close_checkpoints()
             out["fresh"][label] = metrics
             # Every rank of a stage asks for the same tensors in the same order (DTensor gathers).
@@ -438,7 +441,7 @@ def train_save_resume(
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
             tr.load_checkpoint(str(ckpt.path), ckpt.meta)
             start, shared = tr.step, shared_parameters(tr)
-            metrics = [tr.train_step() for _ in range(after)]
+            metrics = [tr.train_step().metrics for _ in range(after)]
             out["resumed"][label] = {
                 "start": start,
                 "losses": [m["loss"] for m in metrics],
@@ -488,7 +491,7 @@ def heal_memory(rank: int, cfgs: dict, steps: int) -> dict:
 
     (cfg,) = cfgs.values()
     tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
-    trained = [dict(tr.train_step()) for _ in range(steps)]
+    trained = [dict(tr.train_step().metrics) for _ in range(steps)]
     out = {"steady_mb": steady_peak_mb(trained)}
     kept = heal.keep(tr) if rank == 0 else None
     del tr, trained
@@ -522,5 +525,9 @@ def heal_records(rank: int, cfgs: dict, steps: int) -> dict:
     (cfg,) = cfgs.values()
     tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
     for _ in range(steps):
-        metrics = dict(tr.train_step())
-    return {"trained": metrics, "received": heal.step_record(tr, None), "kept": heal.step_record(tr, metrics)}
+        result = tr.train_step()
+    return {
+        "trained": dict(result.metrics),
+        "received": heal.step_record(tr, None).metrics,
+        "kept": heal.step_record(tr, result).metrics,
+    }

@@ -62,6 +62,11 @@ def test_published_atomically_and_complete(source):
     ckpt = store.check(root / names[0])
     assert ckpt.meta["step"] == BEFORE and ckpt.meta["consumed_samples"] == BEFORE * 8
     assert ckpt.meta["topology"]["dp"] == 2 and ckpt.path == str(root / names[0]) == result["path"]
+    # Rank 0's SaveResult: the save, then its commit reported exactly once (with a step's result
+    # when the upload ended during one, else by the wait), with the time its upload took.
+    saved, done = result["saved"], result["done"]
+    assert saved.step == done.step == BEFORE and saved.path == done.path == result["path"]
+    assert done.upload_s is not None and done.error is None and saved.blocked_s is not None
     # 8 ranks wrote shards, but the dp replicas' copies are de-duplicated: total bytes stay
     # about one model + its AdamW state (3 x 234,624 fp32 values for the tiny model at seq 32).
     total = sum(ckpt.meta["files"].values())

@@ -24,6 +24,7 @@ from rayhybrid.errors import WorkerError
 from rayhybrid.preflight import load_config
 from rayhybrid.storage import checkpoints
 from rayhybrid.storage.store import Store
+from rayhybrid.trainer.results import HealResult, HeldState, RestoreResult, SaveResult, StepResult
 
 
 class FakeGroup:
@@ -32,15 +33,15 @@ class FakeGroup:
     def __init__(self, dp: int = 1, world: int = 1) -> None:
         self.calls: list[tuple] = []
         self.fail_train: WorkerError | None = None
-        self.saves: list[dict] = []  # what group.save returns, in order
-        self.finished: list[list[dict]] = []  # what group.finished_saves returns, in order
+        self.saves: list[SaveResult] = []  # what group.save returns, in order
+        self.finished: list[list[SaveResult]] = []  # what group.finished_saves returns, in order
         self.drained = Drained(frozenset(), frozenset(), frozenset())
         self.not_placed: set[int] = set()
         self.world = world
         self.env: dict = {}
         self.start_timeout_s = 1.0
         self.layout = types.SimpleNamespace(topology=Topology(dp, 1, world // dp))
-        self.kept: list[dict | None] = [None] * world  # what each rank kept across a failure
+        self.kept: list[HeldState | None] = [None] * world  # what each rank kept across a failure
         self.records: dict[int, dict] = {}  # the results a rank kept of its step (`recorded`)
         self.astray: dict[int, int] = {}  # rank -> the step it holds after a heal, if not the planned one
         self.cfg = None
@@ -55,7 +56,7 @@ class FakeGroup:
             def heal(src, receivers):
                 self.calls.append(("heal", rank, src, receivers))
                 moved = 100 if src is not None else 100 * len(receivers)  # a receiver: what it got
-                step = self.astray.get(rank, self.kept[rank if src is None else src]["step"])
+                step = self.astray.get(rank, self.kept[rank if src is None else src].step)
                 record = self.records.get(rank)
                 if record is None:  # what a rank that received its state reports: the samples it read
                     record = {
@@ -63,7 +64,7 @@ class FakeGroup:
                         "consumed_samples": 8 * step,
                         "samples_read": [8 * step - 8 + 4 * (rank // 2), 4],
                     }
-                return {"step": step, "record": record, "bytes": moved, "s": 0.01}
+                return HealResult(step, StepResult(record), moved, 0.01)
 
             def trace(step, ranges):
                 self.calls.append(("trace", rank, step, ranges))
@@ -86,18 +87,13 @@ class FakeGroup:
         if self.fail_train is not None:
             raise self.fail_train
         step = 1 + sum(1 for c in self.calls if c[0] == "train") + getattr(self, "offset", 0) - 1
-        return [
-            {"step": step, "loss": 1.0 / step, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0}
-            | {
-                "step_time_s": 0.1,
-                "consumed_samples": 8 * step,
-                "checkpoints": self.finished.pop(0) if self.finished else [],
-            }
-        ]
+        metrics = {"step": step, "loss": 1.0 / step, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0}
+        metrics |= {"step_time_s": 0.1, "consumed_samples": 8 * step}
+        return [StepResult(metrics, tuple(self.finished.pop(0) if self.finished else []))]
 
     def save(self, root, keep, timeout_s=None, inject=None):
         self.calls.append(("save", root))
-        return dict(self.saves.pop(0))
+        return self.saves.pop(0)
 
     def finished_saves(self, timeout_s=None):
         self.calls.append(("finished_saves",))
@@ -124,7 +120,7 @@ class FakeGroup:
 
     def load(self, path, meta):
         self.calls.append(("load", path))
-        return meta["step"]
+        return RestoreResult(meta["step"], meta["consumed_samples"], 0.01)
 
     def placement(self):
         return [{"rank": r, "dp": 0, "pp": 0, "tp": 0, "node": "n", "gpu": None} for r in range(self.world)]
@@ -177,13 +173,12 @@ def test_a_step_returns_the_next_state_and_leaves_the_controller_as_it_was(tmp_p
 def test_a_due_checkpoint_uploads_then_commits_through_the_ledger(tmp_path):
     ctrl = controller(tmp_path, "checkpoint.every=1")
     group = FakeGroup()
-    group.saves = [{"path": str(tmp_path / "c/step_00000001"), "step": 1, "async": True, "blocked_s": 0.01}]
+    group.saves = [SaveResult(1, str(tmp_path / "c/step_00000001"), True, 0.0, blocked_s=0.01)]
     run = ctrl.on_training(Training(RunState(group=group, slots=(0,)))).run
     assert run.uploading and run.committed is None  # saving: not committed yet
     # The upload's report comes back with the next step's results.
-    group.finished = [[{"path": str(tmp_path / "c/step_00000001"), "step": 1, "async": True}]]
-    group.finished[0][0] |= {"blocked_s": 0.01, "upload_s": 0.5}
-    group.saves = [{"path": str(tmp_path / "c/step_00000002"), "step": 2, "async": True, "blocked_s": 0.01}]
+    group.finished = [[SaveResult(1, str(tmp_path / "c/step_00000001"), True, 0.0, blocked_s=0.01, upload_s=0.5)]]
+    group.saves = [SaveResult(2, str(tmp_path / "c/step_00000002"), True, 0.0, blocked_s=0.01)]
     run = ctrl.on_training(Training(run)).run
     assert run.committed == 1 and run.uploading  # step 1 committed, step 2 uploading
     assert [(e["event"], e["step"]) for e in events(tmp_path)] == [("checkpoint", 1)]
@@ -250,7 +245,7 @@ def recovering_dp2_tp2(
 def test_recovery_heals_from_the_peer_with_the_same_shard_and_redoes_no_step(tmp_path):
     """Rank 3 (dp 1, tp 1) lost its state; rank 1 (dp 0, tp 1) holds the same shard: it sends,
     every other rank keeps its own; nothing is loaded and the run goes on at step 6."""
-    kept = {"step": 6, "bytes": 100, "recorded": False}
+    kept = HeldState(6, 100, False)
     _, group, state = recovering_dp2_tp2(tmp_path, [kept, kept, kept, None])
     assert isinstance(state, Training) and state.run.step == 6 and not state.run.uploading
     heals = sorted(c for c in group.calls if c[0] == "heal")
@@ -268,16 +263,14 @@ def test_a_step_only_some_survivors_took_is_healed_forward_and_recorded(tmp_path
     rank that took it, the samples and the data trace of every rank (those that received their
     state report what they read), the longest data wait and CPU time of any rank."""
     record = {"step": 7, "loss": 0.5, "lr": 1e-3, "grad_norm": 0.1, "step_time_s": 0.1, "tokens_per_s": 1.0}
-    record |= {"consumed_samples": 56, "dp": 2, "pp": 1, "tp": 2, "checkpoints": []}
+    record |= {"consumed_samples": 56, "dp": 2, "pp": 1, "tp": 2}
     rows = [{"step": 7, "sample": 48, "dataset": "d", "epoch": 0, "start": 0}]
-    ahead = {"step": 7, "bytes": 100, "recorded": True}
+    ahead = HeldState(7, 100, True)
     records = {
         0: record | {"samples_read": [48, 4], "data_wait_s": 0.2, "cpu_s": 0.3, "data_read": rows},
         1: record | {"samples_read": [48, 4], "data_wait_s": 0.5, "cpu_s": 0.1, "data_read": rows},
     }
-    ctrl, group, state = recovering_dp2_tp2(
-        tmp_path, [ahead, dict(ahead), {"step": 6, "bytes": 100, "recorded": True}, None], records=records
-    )
+    ctrl, group, state = recovering_dp2_tp2(tmp_path, [ahead, ahead, HeldState(6, 100, True), None], records=records)
     assert state.run.step == 7
     receivers = {c[1]: c[2] for c in group.calls if c[0] == "heal" and c[2] is not None}
     assert receivers == {2: 0, 3: 1}
@@ -304,8 +297,8 @@ def test_a_step_healed_forward_in_a_shrink_has_every_replica_it_was_trained_by(t
     records = {
         r: record | {"samples_read": [72 if r < 2 else 80, 4], "data_read": rows(72 if r < 2 else 80)} for r in range(4)
     }
-    ahead = {"step": 7, "bytes": 100, "recorded": True}
-    ctrl, group, state = recovering_dp2_tp2(tmp_path, [ahead, dict(ahead), dict(ahead), None], records=records)
+    ahead = HeldState(7, 100, True)
+    ctrl, group, state = recovering_dp2_tp2(tmp_path, [ahead, ahead, ahead, None], records=records)
     assert state.run.step == 7
     (step,) = ctrl.log.history
     assert step["samples"] == [[72, 4], [76, 4], [80, 4]] and step["dp"] == 3
@@ -319,7 +312,7 @@ def test_a_step_healed_forward_in_a_shrink_has_every_replica_it_was_trained_by(t
 def test_a_heal_whose_ranks_hold_another_step_than_planned_restores_the_checkpoint(tmp_path, caplog):
     """Rank 3 was to receive step 6 from rank 1 but reports step 5 after the heal: the run does
     not go on with mixed states; it restores the checkpoint, with a log line saying why."""
-    kept = {"step": 6, "bytes": 100, "recorded": False}
+    kept = HeldState(6, 100, False)
     _, group, state = recovering_dp2_tp2(tmp_path, [kept, kept, kept, None], astray={3: 5})
     assert [c for c in group.calls if c[0] == "heal"]  # it healed, then looked
     assert ("load", str(tmp_path / "checkpoints" / "step_00000004")) in group.calls
@@ -331,7 +324,7 @@ def test_a_heal_whose_ranks_hold_another_step_than_planned_restores_the_checkpoi
 def test_a_heal_astray_without_a_checkpoint_starts_every_rank_afresh(tmp_path, caplog):
     """The same, with no checkpoint to load over every rank: the ranks are built afresh (the
     group joins again) and the run starts over from step 0 rather than go on with mixed states."""
-    kept = {"step": 6, "bytes": 100, "recorded": False}
+    kept = HeldState(6, 100, False)
     _, group, state = recovering_dp2_tp2(tmp_path, [kept, kept, kept, None], astray={3: 5}, saved=False)
     assert ("reconfigure",) in group.calls and not [c for c in group.calls if c[0] == "load"]
     assert (state.run.step, state.pending.healed, state.pending.steps_redone) == (0, "checkpoint", 6)
@@ -342,10 +335,8 @@ def test_a_step_taken_that_no_rank_kept_the_results_of_is_never_left_out(tmp_pat
     """Ranks 0 and 1 stepped to 7, but neither kept that step's results: healing forward would
     leave step 7 out of metrics.jsonl, so the run restores the checkpoint (and records the
     steps it trains again) and says why."""
-    ahead = {"step": 7, "bytes": 100, "recorded": False}
-    _, group, state = recovering_dp2_tp2(
-        tmp_path, [ahead, dict(ahead), {"step": 6, "bytes": 1, "recorded": True}, None]
-    )
+    ahead = HeldState(7, 100, False)
+    _, group, state = recovering_dp2_tp2(tmp_path, [ahead, ahead, HeldState(6, 1, True), None])
     assert not [c for c in group.calls if c[0] == "heal"]
     assert state.run.step == 4 and state.pending.healed == "checkpoint"
     assert "no rank that took it kept its results" in caplog.text
@@ -354,8 +345,8 @@ def test_a_step_taken_that_no_rank_kept_the_results_of_is_never_left_out(tmp_pat
 @pytest.mark.parametrize(
     ("kept", "why"),
     [
-        ([{"step": 6}, {"step": 6}, {"step": 6}, None], "heal off"),
-        ([{"step": 6}, None, {"step": 6}, None], "both copies of shard tp1 lost"),
+        ([HeldState(6, 1, False), HeldState(6, 1, False), HeldState(6, 1, False), None], "heal off"),
+        ([HeldState(6, 1, False), None, HeldState(6, 1, False), None], "both copies of shard tp1 lost"),
         ([None, None, None, None], "nothing kept"),
     ],
 )
@@ -364,7 +355,6 @@ def test_recovery_falls_back_to_the_checkpoint_without_a_live_copy(tmp_path, kep
         ctrl = controller(tmp_path, "fault.heal=false")
         assert ctrl.healing.policy.choose({(0, 0): [6, None]}) is None
         return
-    kept = [k and {**k, "bytes": 1, "recorded": False} for k in kept]
     ctrl, group, state = recovering_dp2_tp2(tmp_path, kept)
     assert not [c for c in group.calls if c[0] == "heal"]
     assert ("load", str(tmp_path / "checkpoints" / "step_00000004")) in group.calls
@@ -405,16 +395,17 @@ def test_a_replica_not_placed_again_shrinks_an_elastic_run_and_fails_a_fixed_one
 def test_the_last_step_waits_for_the_upload_and_saves_again_once_if_it_failed(tmp_path):
     ctrl = controller(tmp_path, "checkpoint.every=5")
     group = FakeGroup()
-    done = {"path": str(tmp_path / "c/step_00000010"), "step": 10, "async": True, "blocked_s": 0.0, "upload_s": 0.1}
-    group.finished = [[{**done, "error": "disk full"}], [done]]
-    group.saves = [{**done, "blocked_s": 0.0}]
+    done = SaveResult(10, str(tmp_path / "c/step_00000010"), True, 0.0, blocked_s=0.0, upload_s=0.1)
+    failed = dataclasses.replace(done, upload_s=None, error="disk full")
+    group.finished = [[failed], [done]]
+    group.saves = [dataclasses.replace(done, upload_s=None)]
     run = RunState(group=group, slots=(0,), step=10, uploading=True)
     state = ctrl.on_training(Training(run))
     assert isinstance(state, Finished) and state.run.committed == 10
     assert [e["event"] for e in events(tmp_path)] == ["checkpoint_failed", "checkpoint"]
     # Twice failed: the run fails, naming the error.
-    group.finished = [[{**done, "error": "disk full"}], [{**done, "error": "disk full"}]]
-    group.saves = [{**done, "blocked_s": 0.0}]
+    group.finished = [[failed], [failed]]
+    group.saves = [dataclasses.replace(done, upload_s=None)]
     state = ctrl.on_training(Training(run))
     assert isinstance(state, Failed) and "could not be written: disk full" in str(state.error)
 
@@ -426,7 +417,7 @@ def test_a_stop_whose_save_fails_keeps_the_commit_it_recorded_before(tmp_path):
     ctrl = controller(tmp_path, "checkpoint.every=5")
     ctrl.stop_requested = "SIGTERM"
     group = FakeGroup()
-    done = {"path": str(tmp_path / "c/step_00000005"), "step": 5, "async": True, "blocked_s": 0.0, "upload_s": 0.1}
+    done = SaveResult(5, str(tmp_path / "c/step_00000005"), True, 0.0, blocked_s=0.0, upload_s=0.1)
     group.finished = [[done]]
 
     def failing_save(*args, **kwargs):
@@ -436,7 +427,7 @@ def test_a_stop_whose_save_fails_keeps_the_commit_it_recorded_before(tmp_path):
     state = ctrl.on_training(Training(RunState(group=group, slots=(0,), step=7, uploading=True, first_restore=0)))
     assert isinstance(state, Recovering) and state.interruption.step == 8
     assert state.run.committed == 5 and not state.run.uploading
-    assert ctrl.ledger.restored(state.run, checkpoints.Checkpoint(done["path"], {"step": 5})).committed == 5
+    assert ctrl.ledger.restored(state.run, checkpoints.Checkpoint(done.path, {"step": 5})).committed == 5
     assert [(e["event"], e["step"]) for e in events(tmp_path)] == [("checkpoint", 5)]  # once
 
 
@@ -475,8 +466,8 @@ def test_a_final_checkpoint_that_a_heal_abandoned_is_saved_again(tmp_path):
     ctrl = controller(tmp_path, "checkpoint.every=4")
     group = FakeGroup()
     path = str(tmp_path / "checkpoints" / "step_00000010")
-    group.saves = [{"path": path, "step": 10, "async": True, "blocked_s": 0.01}]
-    group.finished = [[{"path": path, "step": 10, "async": True, "blocked_s": 0.01, "upload_s": 0.1}]]
+    group.saves = [SaveResult(10, path, True, 0.0, blocked_s=0.01)]
+    group.finished = [[SaveResult(10, path, True, 0.0, blocked_s=0.01, upload_s=0.1)]]
     state = ctrl.on_training(Training(RunState(group=group, slots=(0,), step=10, committed=8, first_restore=0)))
     assert isinstance(state, Finished) and state.run.committed == 10
     assert [c[0] for c in group.calls] == ["save", "finished_saves"]

@@ -215,9 +215,9 @@ def evaluate_many(rank: int, cfgs: dict) -> dict[str, tuple]:
         tr.evaluate()
         tr.train_step()
         after = tr.evaluate()
-        third = tr.train_step()
+        third = tr.train_step().metrics
         twin = Trainer(cfg, rank=rank, device=torch.device("cpu"))
-        twin_third = [twin.train_step() for _ in range(3)][-1]
+        twin_third = [twin.train_step().metrics for _ in range(3)][-1]
         same = all(
             torch.equal(_full(a), _full(b))
             for (_, a), (_, b) in zip(tr.named_parameters(), twin.named_parameters(), strict=True)

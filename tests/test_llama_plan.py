@@ -153,7 +153,7 @@ def measure(rank: int, cfgs: dict, steps: int, forward: tuple[str, ...]) -> dict
         try:
             tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
             row = {"local_params": tr.describe()["local_params"]}
-            row["peak_mb"] = steady_peak_mb([tr.train_step() for _ in range(steps)])
+            row["peak_mb"] = steady_peak_mb([tr.train_step().metrics for _ in range(steps)])
             if label in forward:
                 ((_, model),) = tr.stages
                 x, y = tr.stream.batch(0, cfg.train.micro_batch_size)

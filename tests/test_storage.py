@@ -325,13 +325,14 @@ def meta_exists(saver, step: int) -> bool:
 def test_async_save_commits_after_upload(saver, gate):
     """save() returns while the upload is held; meta.json appears only once it is done."""
     record = saver.save()
-    assert record["step"] == 1 and record["async"] and "upload_s" not in record and record["finished"] == []
-    assert record["path"] == saver.store.url_of(saver.store.join("step_00000001"))
+    assert record.step == 1 and record.asynchronous and record.upload_s is None and record.finished == ()
+    assert record.pending and record.error is None
+    assert record.path == saver.store.url_of(saver.store.join("step_00000001"))
     assert saver.poll() == [] and not meta_exists(saver, 1) and cs.latest(saver.store) is None
     gate.set()
     [done] = saver.wait()
-    assert done["step"] == 1 and "error" not in done
-    assert done["upload_s"] >= 0 and 0 <= done["blocked_s"] == record["blocked_s"]
+    assert done.step == 1 and done.error is None and not done.pending
+    assert done.upload_s >= 0 and 0 <= done.blocked_s == record.blocked_s
     assert meta_exists(saver, 1) and cs.latest(saver.store).meta["consumed_samples"] == 8
     assert saver.wait() == [] and saver.poll() == []
 
@@ -341,11 +342,11 @@ def test_next_save_waits_for_previous(saver, gate):
     saver.trainer.train()
     threading.Timer(0.3, gate.set).start()
     record = saver.save()  # blocks until step 1 is uploaded and committed
-    assert record["waited_s"] >= 0.25 and record["blocked_s"] >= record["waited_s"]
-    [first] = record["finished"]
-    assert first["step"] == 1 and "upload_s" in first and "error" not in first
+    assert record.waited_s >= 0.25 and record.blocked_s >= record.waited_s
+    [first] = record.finished
+    assert first.step == 1 and first.upload_s is not None and first.error is None
     [second] = saver.wait()
-    assert second["step"] == 2 and "error" not in second
+    assert second.step == 2 and second.error is None
     assert steps(cs.committed(saver.store)) == [1, 2]
 
 
@@ -358,12 +359,13 @@ def test_save_then_load_restores_exactly(gloo, url, async_save):
     record = saver.save()
     rng = torch.get_rng_state()
     if async_save:
-        assert "upload_s" not in record
+        assert record.upload_s is None
         [record] = saver.wait()
-    assert record["upload_s"] >= 0 and record["blocked_s"] >= 0 and "error" not in record
+    assert record.upload_s >= 0 and record.blocked_s >= 0 and record.error is None
+    assert record.asynchronous == async_save
     saver.close()
     latest = cs.latest(Store.open(url))
-    assert latest.step == 2 and latest.path == record["path"]
+    assert latest.step == 2 and latest.path == record.path
 
     other = FakeTrainer(gloo, seed=1)
     torch.rand(5)  # move the RNG on: load must bring it back
@@ -392,11 +394,11 @@ def test_storage_options_reach_dcp(gloo, s3, monkeypatch, request):
     saver.save()
     [record] = saver.wait()
     saver.close()
-    assert "error" not in record, record
+    assert record.error is None, record
     assert f"{BUCKET}/options/step_00000001/meta.json" in objects(url, s3)
     assert cs.latest(Store.open(url, options)).step == 1
     other = FakeTrainer(gloo, seed=1)
-    ckpt.load(other, record["path"], options)
+    ckpt.load(other, record.path, options)
     assert torch.equal(other.tensors()["param.1.bias"], trainer.tensors()["param.1.bias"])
 
 
@@ -422,13 +424,13 @@ def test_failed_upload_is_reported_not_committed(saver, failing):
     it (the thread writes with DCP's writer directly, so the error is the writer's own, not
     DCP's CheckpointException); the previous checkpoint stays the latest."""
     saver.save()
-    assert "error" not in saver.wait()[0]
+    assert saver.wait()[0].error is None
     failing()
     saver.trainer.train()
     saver.save()
     [failed] = saver.wait()
-    assert failed["step"] == 2 and "upload_s" not in failed
-    assert failed["error"].startswith("OSError") and "\n" not in failed["error"]
+    assert failed.step == 2 and failed.upload_s is None
+    assert failed.error.startswith("OSError") and "\n" not in failed.error
     assert not meta_exists(saver, 2)
     assert cs.latest(saver.store).step == 1
     assert steps(cs.committed(saver.store)) == [1]
@@ -438,7 +440,7 @@ def test_failed_upload_error_names_the_cause(saver, failing):
     failing()
     saver.save()
     [failed] = saver.wait()
-    assert "disk on fire" in failed["error"], failed["error"]
+    assert "disk on fire" in failed.error, failed.error
 
 
 def test_close_abandons_the_upload(saver, gate):
@@ -447,7 +449,7 @@ def test_close_abandons_the_upload(saver, gate):
     saver.close()
     gate.set()
     [abandoned] = saver.wait()
-    assert abandoned["step"] == 1 and abandoned["error"].startswith("abandoned")
+    assert abandoned.step == 1 and abandoned.error.startswith("abandoned")
     assert not meta_exists(saver, 1) and cs.latest(saver.store) is None
 
 

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
     step_times, losses, walls, first_step_wall = [], [], [], None
     for _ in range(args.steps):
-        metrics = trainer.train_step()
+        metrics = trainer.train_step().metrics
         if first_step_wall is None:
             first_step_wall = time.time()
         walls.append(time.time())

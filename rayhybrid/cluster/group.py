@@ -12,9 +12,9 @@ from ray.exceptions import RayError
 
 from rayhybrid.cluster.calls import Calls
 from rayhybrid.cluster.drain import Drained, drain, stop
+from rayhybrid.cluster.merge import merge_steps
 from rayhybrid.cluster.placement import ReplicaShape
 from rayhybrid.cluster.reservation import Reservation
-from rayhybrid.cluster.results import merge_steps
 from rayhybrid.cluster.spawn import Spawner
 from rayhybrid.cluster.state import GroupState
 from rayhybrid.cluster.worker import TrainWorker
@@ -24,8 +24,8 @@ from rayhybrid.errors import PlacementTimeout
 from rayhybrid.faults import Injection
 
 if TYPE_CHECKING:
-    from rayhybrid.cluster.results import StepMetrics
     from rayhybrid.cluster.worker import WorkerInfo
+    from rayhybrid.trainer.results import HealResult, HeldState, RestoreResult, SaveResult, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -207,24 +207,23 @@ class WorkerGroup:
 
     def train(
         self, steps: int = 1, timeout_s: float | None = None, inject: Injection | None = None
-    ) -> list[StepMetrics]:
-        """Run `steps` optimizer steps on every rank; returns rank 0's metrics per step.
+    ) -> list[StepResult]:
+        """Run `steps` optimizer steps on every rank; returns each step's result, merged.
         A call that makes no progress for `timeout_s` counts as a failed (hung) worker.
         `inject`: a `fault.inject` fault for one rank to trigger at the start of the call."""
         results = self.remote_calls.get(self._on_every_rank("train", inject, steps), timeout_s=timeout_s, what="step")
         return merge_steps(results, self.dp, self.layout.topology.replica_size)
 
-    def save(self, root: str, keep: int, timeout_s: float | None = None, inject: Injection | None = None) -> dict:
+    def save(self, root: str, keep: int, timeout_s: float | None = None, inject: Injection | None = None) -> SaveResult:
         """Start (async) or write (sync) a checkpoint; rank 0's record of it (trainer/checkpoint.py)."""
         calls = self._on_every_rank("save", inject, root, keep)
         return self.remote_calls.get(calls, timeout_s=timeout_s, what="checkpoint save")[0]
 
-    def finished_saves(self, timeout_s: float | None = None) -> list[dict]:
+    def finished_saves(self, timeout_s: float | None = None) -> list[SaveResult]:
         """Wait for the checkpoint upload in flight, if any; rank 0's records of the saves that
-        finished since the last report (committed, or failed with "error")."""
-        return self.remote_calls.get([w.finished_saves.remote() for w in self.workers], timeout_s, "checkpoint upload")[
-            0
-        ]
+        finished since the last report (committed, or failed with `error`)."""
+        calls = [w.finished_saves.remote() for w in self.workers]
+        return self.remote_calls.get(calls, timeout_s, "checkpoint upload")[0]
 
     def _on_every_rank(self, method: str, inject: Injection | None, *args) -> list:
         """`method(*args)` on every worker, the injected fault's rank told to trigger it."""
@@ -233,21 +232,21 @@ class WorkerGroup:
             for rank, w in enumerate(self.workers)
         ]
 
-    def load(self, path: str, meta: dict) -> int:
-        return self.remote_calls.get(
-            [w.load.remote(path, meta) for w in self.workers], self.start_timeout_s, "restore"
-        )[0]
+    def load(self, path: str, meta: dict) -> RestoreResult:
+        """Every rank restores the checkpoint at `path` (its `meta`, checkpoint.json); rank 0's result."""
+        calls = [w.load.remote(path, meta) for w in self.workers]
+        return self.remote_calls.get(calls, self.start_timeout_s, "restore")[0]
 
-    def held(self) -> list[dict | None]:
-        """fault.heal: each rank's kept state, in rank order: {"step", "bytes", "recorded"}
-        (whether it kept that step's results), or None (`TrainWorker.held`)."""
+    def held(self) -> list[HeldState | None]:
+        """fault.heal: each rank's kept state, in rank order (`HeldState`: its step, its bytes,
+        whether it kept that step's results), or None (`TrainWorker.held`)."""
         return self.remote_calls.get([w.held.remote() for w in self.workers], self.start_timeout_s, "heal")
 
-    def heal(self, sources: dict[int, int]) -> list[dict]:
+    def heal(self, sources: dict[int, int]) -> list[HealResult]:
         """Every rank in `sources` (receiver -> sender, ranks of the new world) receives its state
         from its sender; every other rank takes the state it kept and sends it to the ranks that
-        name it (rayhybrid/trainer/heal.py does the sending). Returns each rank's {"step" it now
-        holds, "record" (its record of that step, `trainer.heal.step_record`), "bytes", "s"}."""
+        name it (rayhybrid/trainer/heal.py does the sending). Returns each rank's `HealResult`
+        (the step it now holds, its record of that step, the bytes moved, the seconds)."""
         sends = defaultdict(list)
         for dst, src in sources.items():
             sends[src].append(dst)

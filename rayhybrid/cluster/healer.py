@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import time
 
+from rayhybrid.trainer.results import HealResult, HeldState
+
 log = logging.getLogger("rayhybrid")
 
 
@@ -32,7 +34,7 @@ class Healer:
         """Drop what was kept (the run goes back to a checkpoint, or the worker closes)."""
         self.kept = None
 
-    def held(self, trainer) -> dict | None:
+    def held(self, trainer) -> HeldState | None:
         """The step kept, if its shards are the ones `trainer` holds, and whether it has that
         step's results ("recorded"); None when nothing usable was kept."""
         from rayhybrid.trainer.heal import shape_of
@@ -40,24 +42,25 @@ class Healer:
         kept = self.kept
         if kept is None or trainer is None or kept.shape != shape_of(trainer):
             return None
-        return {"step": kept.step, "bytes": kept.nbytes, "recorded": kept.metrics is not None}
+        return HeldState(kept.step, kept.nbytes, kept.record is not None)
 
-    def heal(self, trainer, src: int | None, receivers: list[int]) -> dict:
+    def heal(self, trainer, src: int | None, receivers: list[int]) -> HealResult:
         """Give `trainer` the state the run heals to: the kept one (`src` None), sent on to
         `receivers`, or rank `src`'s over the network. Returns the step it now holds, this
-        rank's record of that step (`step_record`), the bytes moved and the seconds taken."""
+        rank's record of that step (`step_record`), the bytes moved and the seconds taken
+        (`HealResult`)."""
         from rayhybrid.trainer import heal
 
         start = time.perf_counter()
         if src is None:
             heal.restore(trainer, self.kept)
             moved = heal.send(trainer, receivers) if receivers else 0
-            metrics = self.kept.metrics
+            kept = self.kept.record
         else:  # what it kept is replaced, and so are its results
-            moved, metrics = heal.receive(trainer, src), None
+            moved, kept = heal.receive(trainer, src), None
         self.kept = None
-        record = heal.step_record(trainer, metrics)
-        return {"step": trainer.step, "record": record, "bytes": moved, "s": time.perf_counter() - start}
+        record = heal.step_record(trainer, kept)
+        return HealResult(trainer.step, record, moved, time.perf_counter() - start)
 
     @staticmethod
     def trace(trainer, step: int, ranges: list[list[int]]) -> list[dict]:

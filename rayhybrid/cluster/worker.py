@@ -10,6 +10,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -18,6 +19,9 @@ from rayhybrid.cluster.guard import guarded
 from rayhybrid.cluster.healer import Healer
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
+
+if TYPE_CHECKING:
+    from rayhybrid.trainer.results import HealResult, HeldState, RestoreResult, SaveResult, StepResult
 
 
 @dataclass(frozen=True)
@@ -181,29 +185,28 @@ class TrainWorker:
             self.trainer = Trainer(self.cfg, rank=self.rank, device=device)
         return self.trainer.describe()
 
-    def save(self, root: str, keep: int, inject: str | None = None) -> dict:
+    def save(self, root: str, keep: int, inject: str | None = None) -> SaveResult:
         """Write a checkpoint (in the background when checkpoint.async_save); `inject`
         kill_save: this rank dies once its own data is written, mid-save."""
         if inject not in (None, "kill_save"):
             raise ValueError(f"fault {inject!r} does not fire in a save")
         return self._guarded(self.trainer.save_checkpoint, root, keep, inject == "kill_save")
 
-    def finished_saves(self, wait: bool = True) -> list[dict]:
+    def finished_saves(self, wait: bool = True) -> list[SaveResult]:
         """Asynchronous saves finished since the last report; `wait`: for the one in flight."""
         return self._guarded(self.trainer.finished_checkpoints, wait)
 
-    def load(self, path: str, meta: dict) -> int:
+    def load(self, path: str, meta: dict) -> RestoreResult:
         self.healer.forget()  # the run goes back to the checkpoint
-        self._guarded(self.trainer.load_checkpoint, path, meta)
-        return self.trainer.step
+        return self._guarded(self.trainer.load_checkpoint, path, meta)
 
-    def held(self) -> dict | None:
+    def held(self) -> HeldState | None:
         """fault.heal: the step this worker kept across the failure, if its shards are the ones
-        its new trainer holds, and whether it has that step's results; None when it kept
-        nothing usable (`Healer.held`)."""
+        its new trainer holds, and whether it has that step's results (`recorded`); None when it
+        kept nothing usable (`Healer.held`)."""
         return self.healer.held(self.trainer)
 
-    def heal(self, src: int | None, receivers: list[int]) -> dict:
+    def heal(self, src: int | None, receivers: list[int]) -> HealResult:
         """Take the state the run heals to: the kept one (`src` None), sent on to `receivers`,
         or rank `src`'s over the network (`Healer.heal`)."""
         # The trainer is looked up inside the call: on failure, `reset` must find it held by
@@ -215,22 +218,23 @@ class TrainWorker:
         (`Healer.trace`), for a replica lost with its step."""
         return self.healer.trace(self.trainer, step, ranges)
 
-    def train(self, steps: int = 1, inject: str | None = None) -> list[dict]:
+    def train(self, steps: int = 1, inject: str | None = None) -> list[StepResult]:
         """Train `steps` steps, each followed by the held-out loss when eval.every says so;
         `inject`: a `fault.inject` kind to trigger first (kill, hang, raise)."""
         if inject == "kill_eval":  # at the start of the evaluation after the step
             return self._guarded(lambda: [self._step(inject) for _ in range(steps)])
         return self._guarded(self._injected(inject, lambda: [self._step() for _ in range(steps)]))
 
-    def _step(self, inject: str | None = None) -> dict:
-        metrics = self.trainer.train_step()  # also the trainer's last_metrics, which the evaluation's add to
+    def _step(self, inject: str | None = None) -> StepResult:
+        result = self.trainer.train_step()  # also the trainer's last_result, whose metrics the evaluation's add to
+        metrics = result.metrics
         if self.cfg.eval.due(metrics["step"], self.cfg.train.steps):
             if inject is not None:
                 fault.trigger(inject, metrics["step"])
             start = time.perf_counter()
             metrics["val_loss"] = self.trainer.evaluate()
             metrics["eval_s"] = time.perf_counter() - start
-        return metrics
+        return result
 
     def _injected(self, kind: str | None, fn):
         """`fn`, preceded by the injected fault `kind` (if any) in this process."""

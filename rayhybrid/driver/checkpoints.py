@@ -27,6 +27,7 @@ from rayhybrid.faults import Injection
 from rayhybrid.storage import checkpoints
 from rayhybrid.storage.store import Store, redact_url
 from rayhybrid.storage.visibility import check_datasets, check_storage
+from rayhybrid.trainer.results import SaveResult
 
 log = logging.getLogger("rayhybrid")
 
@@ -71,18 +72,18 @@ class CheckpointLedger:
         records any earlier upload that finished meanwhile. Raises WorkerError."""
         ck = self.cfg.checkpoint
         saved = run.group.save(self.store.url, ck.keep, self.cfg.fault.step_timeout_s, inject)
-        run = self.saved(run, saved.pop("finished", []))
-        if not saved["async"]:
+        run = self.saved(run, list(saved.finished))
+        if not saved.asynchronous:
             return self.saved(run, [saved])
         log.info(
             "checkpoint step %d: training blocked %.2fs; uploading to %s",
             step,
-            saved["blocked_s"],
-            redact_url(saved["path"]),
+            saved.blocked_s,
+            redact_url(saved.path),
         )
         return run.but(uploading=True)
 
-    def wait(self, run: RunState) -> tuple[RunState, dict | None]:
+    def wait(self, run: RunState) -> tuple[RunState, SaveResult | None]:
         """Wait for the upload in flight (if any); the run state and that upload's record."""
         if not run.uploading:
             return run, None
@@ -102,19 +103,19 @@ class CheckpointLedger:
             return run, err
         return run, None
 
-    def saved(self, run: RunState, records: list[dict]) -> RunState:
+    def saved(self, run: RunState, results: list[SaveResult]) -> RunState:
         """Saves that finished: committed ones are checkpoints; failed ones leave the one before
         as the latest (the next save tries again)."""
-        for r in records:
+        for r in results:
             run = run.but(uploading=False)
-            if "error" in r:
-                path = redact_url(r["path"])
-                log.warning("checkpoint step %d failed: %s; %s", r["step"], r["error"], self.last_good())
-                self.log.event({"event": "checkpoint_failed", "step": r["step"], "path": path, "error": r["error"]})
+            if r.error is not None:
+                path = redact_url(r.path)
+                log.warning("checkpoint step %d failed: %s; %s", r.step, r.error, self.last_good())
+                self.log.event({"event": "checkpoint_failed", "step": r.step, "path": path, "error": r.error})
                 continue
-            blocked, upload = round(r["blocked_s"], 3), round(r["upload_s"], 3)
-            how = f"training blocked {blocked:.2f}s, {'upload' if r['async'] else 'of it writing'} {upload:.2f}s"
-            run = self._commit(run, r["step"], r["path"], blocked, upload, r["async"], how)
+            blocked, upload = round(r.blocked_s, 3), round(r.upload_s, 3)
+            how = f"training blocked {blocked:.2f}s, {'upload' if r.asynchronous else 'of it writing'} {upload:.2f}s"
+            run = self._commit(run, r.step, r.path, blocked, upload, r.asynchronous, how)
         return run
 
     def _commit(self, run, step, path, blocked, upload, is_async, how) -> RunState:
@@ -149,7 +150,7 @@ class CheckpointLedger:
         run = self.restored(run, ckpt)
         if ckpt is not None:
             mark = time.perf_counter()
-            step = run.group.load(str(ckpt.path), ckpt.meta)
+            step = run.group.load(str(ckpt.path), ckpt.meta).step
             if intr is not None:
                 intr = intr.but(restore_s=intr.restore_s + time.perf_counter() - mark)
             written, now = ckpt.meta["topology"], run.dp

@@ -157,14 +157,13 @@ class Controller:
             return self._stop(run)
         inject = self.log.injected(self.faults.due(run.step + 1, "step", _world(self.cfg, run)))
         try:
-            (metrics,) = run.group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
+            (result,) = run.group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
         except WorkerError as err:
             return self._failed(run, err, run.step + 1, inject)
-        finished = metrics.pop("checkpoints", [])
         if state.pending is not None:
-            self.log.interruption(state.pending.close(metrics["step_time_s"]))
-        metrics = self.log.step(metrics)
-        run = self.ledger.saved(run.but(step=metrics["step"]), finished)
+            self.log.interruption(state.pending.close(result.metrics["step_time_s"]))
+        metrics = self.log.step(result.metrics)
+        run = self.ledger.saved(run.but(step=metrics["step"]), list(result.saves))
         return self._after_step(run, time.perf_counter())
 
     def on_resizing(self, state: Resizing) -> Training | Recovering:
@@ -289,13 +288,13 @@ class Controller:
         try:
             run, done = self.ledger.wait(run)
             lost = done is None and self.cfg.checkpoint.enabled and run.step not in (run.committed, run.first_restore)
-            if lost or done is not None and "error" in done:
+            if lost or done is not None and done.error is not None:
                 run = self.ledger.save(run, run.step, None)
                 run, done = self.ledger.wait(run)
         except WorkerError as err:
             return self._failed(run, err, run.step, None)
-        if done is not None and "error" in done:
-            why = f"the final checkpoint (step {run.step}) could not be written: {done['error']}"
+        if done is not None and done.error is not None:
+            why = f"the final checkpoint (step {run.step}) could not be written: {done.error}"
             return Failed(run, RunFailed(f"{why}; {self.ledger.last_good()}"))
         return Finished(run)
 

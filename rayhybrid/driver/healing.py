@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import time
 
-from rayhybrid.cluster.results import merge_steps
+from rayhybrid.cluster.merge import merge_steps
 from rayhybrid.config.schema import Config
 from rayhybrid.driver.policies import HealPlan, HealPolicy
 from rayhybrid.driver.records import Interruption, steps_redone
 from rayhybrid.driver.runlog import RunLog
 from rayhybrid.driver.state import RunState
+from rayhybrid.trainer.results import HealResult, HeldState, SaveResult, StepMetrics, StepResult
 
 log = logging.getLogger("rayhybrid")
 
@@ -27,7 +28,7 @@ class Healing:
         self.policy = HealPolicy(cfg.fault.heal)
         self.log = runlog
 
-    def heal(self, run: RunState, intr: Interruption, latest) -> tuple[RunState, Interruption, list[dict]] | None:
+    def heal(self, run: RunState, intr: Interruption, latest) -> tuple[RunState, Interruption, list[SaveResult]] | None:
         """Heal the rebuilt group from the state its survivors kept, when the policy says so:
         the run state at the healed step, the interruption with its figures, and the saves
         that the step the driver never had reported. None: restore `latest` instead."""
@@ -41,9 +42,9 @@ class Healing:
         sources = _by_rank(topo, plan)
         mark = time.perf_counter()
         done = group.heal(sources)
-        sent = sum(r["bytes"] for rank, r in enumerate(done) if rank not in sources)  # what the senders sent
+        sent = sum(r.nbytes for rank, r in enumerate(done) if rank not in sources)  # what the senders sent
         took = time.perf_counter() - mark
-        astray = {rank: r["step"] for rank, r in enumerate(done) if r["step"] != plan.step}
+        astray = {rank: r.step for rank, r in enumerate(done) if r.step != plan.step}
         if astray:
             log.warning(
                 "after healing to step %d, rank(s) %s hold step(s) %s: %s instead",
@@ -59,8 +60,8 @@ class Healing:
         finished = []
         if plan.step > run.step:  # ranks that passed the last vote stepped: the driver never had that step
             record = _record(group, done)
-            finished = record.pop("checkpoints", [])
-            self.log.step(record)
+            finished = list(record.saves)
+            self.log.step(record.metrics)
         intr = intr.but(
             healed="peer",
             steps_redone=steps_redone(run.step, plan.step),
@@ -71,18 +72,18 @@ class Healing:
         self.log.event({"event": "heal", "step": plan.step, "ranks": sorted(sources), "bytes": sent})
         return run.but(step=plan.step, uploading=False), intr, finished
 
-    def _plan(self, run: RunState, kept: list[dict | None], latest) -> HealPlan | None:
+    def _plan(self, run: RunState, kept: list[HeldState | None], latest) -> HealPlan | None:
         """The heal policy's plan for what the ranks kept, or None (with the reason logged)."""
         topo = run.group.layout.topology
         copies: dict[tuple[int, int], list] = {}
         for rank, k in enumerate(kept):
             c = topo.coord(rank)
-            copies.setdefault((c.pp, c.tp), [None] * topo.dp)[c.dp] = k["step"] if k else None
+            copies.setdefault((c.pp, c.tp), [None] * topo.dp)[c.dp] = k.step if k else None
         plan = self.policy.choose(copies, latest.step if latest is not None else None)
         if plan is None:
             why = "no rank kept its state" if not any(kept) else "a shard has no live copy of the newest step"
             log.info("healing from peers is not possible (%s): restoring the checkpoint", why)
-        elif plan.step > run.step and not any(k and k["step"] == plan.step and k["recorded"] for k in kept):
+        elif plan.step > run.step and not any(k and k.step == plan.step and k.recorded for k in kept):
             log.warning(
                 "healing from peers would go on from step %d, but no rank that took it kept its results, so it "
                 "could not be recorded: restoring the checkpoint",
@@ -92,18 +93,19 @@ class Healing:
         return plan
 
 
-def _record(group, done: list[dict]) -> dict:
+def _record(group, done: list[HealResult]) -> StepResult:
     """The record of the step healed forward, by the one merge of every step from each rank's
     record of it. With data.trace, the samples of a replica lost with the step (a shrink: no
     rank of it is left) get their rows from rank 0, which can tell where any sample came from."""
     topo = group.layout.topology
-    (record,) = merge_steps([[r["record"]] for r in done], topo.dp, topo.replica_size)
+    (result,) = merge_steps([[r.record] for r in done], topo.dp, topo.replica_size)
+    record: StepMetrics = result.metrics
     if "data_read" in record:
         traced = {row["sample"] for rows in record["data_read"].values() for row in rows}
         lost = [r for r in record["samples"] if r[0] not in traced]
         if lost:
             record["data_read"]["0"] = [*record["data_read"].get("0", []), *group.trace(record["step"], lost)]
-    return record
+    return result
 
 
 def _by_rank(topo, plan: HealPlan) -> dict[int, int]:

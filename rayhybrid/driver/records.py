@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from rayhybrid.cluster.results import StepMetrics
+from rayhybrid.trainer.results import StepMetrics
 
 __all__ = ["TIMINGS", "Interruption", "RunSummary", "StepMetrics", "mean_throughput", "steps_redone"]
 

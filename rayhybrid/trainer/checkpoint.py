@@ -42,6 +42,7 @@ from rayhybrid.models.layers import tied_names
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store, one_line
 from rayhybrid.trainer import upload
+from rayhybrid.trainer.results import SaveResult
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +183,9 @@ def _as_exception():
 class Saver:
     """This rank's side of saving checkpoints into one store (one per trainer and root).
 
-    save()  -> {"step", "path", "blocked_s", ...}   blocks only for staging when async
-    poll()  -> saves finished since the last call: {"step", "path", "blocked_s", "upload_s"}
-               or {"step", "path", "error"}; committed by rank 0 before they are reported
+    save()  -> a SaveResult (`pending` while async)  blocks only for staging when async
+    poll()  -> saves finished since the last call: SaveResults with `upload_s`, or with
+               `error`; committed by rank 0 before they are reported
     wait()  -> the same, after waiting for the save in flight
     close() -> abandon a save in flight: it is never committed (a failed or rebuilt world)
     """
@@ -208,7 +209,7 @@ class Saver:
     def asynchronous(self) -> bool:
         return self._pool is not None
 
-    def save(self, die_after_write: bool = False) -> dict:
+    def save(self, die_after_write: bool = False) -> SaveResult:
         trainer, store = self.trainer, self.store
         start = time.perf_counter()
         finished = self.wait()  # the next save waits for the previous one
@@ -221,7 +222,7 @@ class Saver:
         dist.barrier(group=self.group)  # nothing left of an earlier save of this step
         state, _ = state_dict(trainer)
         out = writer(store, path, die_after_write)
-        record = {"step": step, "path": store.url_of(path), "async": self.asynchronous, "waited_s": waited_s}
+        record = SaveResult(step, store.url_of(path), self.asynchronous, waited_s)
         if not self.asynchronous:
             written = time.perf_counter()
             with _as_exception():
@@ -230,24 +231,24 @@ class Saver:
                 checkpoint_store.commit(store, path, meta)
                 checkpoint_store.retain(store, self.keep, self.keep_best)
             end = time.perf_counter()
-            return {**record, "blocked_s": end - start, "upload_s": end - written, "finished": finished}
+            return dataclasses.replace(record, blocked_s=end - start, upload_s=end - written, finished=tuple(finished))
         planned = upload.plan(state, out, self.upload_group)  # the plans exchanged; a CPU copy of the data
         del state
         staged = time.perf_counter()
-        record["blocked_s"] = staged - start
+        record = dataclasses.replace(record, blocked_s=staged - start)
         # A module-level function holding nothing of the trainer: see rayhybrid/trainer/upload.py.
         self._inflight = self._pool.submit(
             _finish, planned, out, self.store, path, meta, record, staged, self._abandon, self.keep, self.keep_best
         )
-        return {**record, "finished": finished}
+        return dataclasses.replace(record, finished=tuple(finished))
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> list[SaveResult]:
         if self._inflight is None or not self._inflight.done():
             return []
         done, self._inflight = self._inflight.result(), None
         return [done]
 
-    def wait(self) -> list[dict]:
+    def wait(self) -> list[SaveResult]:
         if self._inflight is not None:
             concurrent.futures.wait([self._inflight])
         return self.poll()
@@ -266,21 +267,21 @@ def _finish(
     store: Store,
     path: str,
     meta: dict,
-    record: dict,
+    record: SaveResult,
     staged: float,
     abandon: upload.Abandon,
     keep: int,
     keep_best: bool,
-) -> dict:
+) -> SaveResult:
     """In the upload thread: write this rank's data; rank 0 then commits once every rank's data
     and DCP's .metadata are in the store, unless the save was abandoned meanwhile."""
-    abandoned = {**record, "error": "abandoned: the process group it was written by failed"}
+    abandoned = dataclasses.replace(record, error="abandoned: the process group it was written by failed")
     try:
         upload.upload(planned, out, store, path, abandon)
     except upload.Abandoned:
         return abandoned
     except BaseException as err:  # noqa: BLE001 - a failed write or an abandoned save is reported, never raised
-        return {**record, "error": one_line(err)}
+        return dataclasses.replace(record, error=one_line(err))
 
     def commit() -> None:
         checkpoint_store.commit(store, path, meta)
@@ -291,10 +292,10 @@ def _finish(
             if not abandon.commit_unless_set(commit):
                 return abandoned
         except Exception as err:  # noqa: BLE001 - reported to the driver, never committed
-            return {**record, "error": one_line(err)}
+            return dataclasses.replace(record, error=one_line(err))
     elif abandon.is_set():
         return abandoned
-    return {**record, "upload_s": time.perf_counter() - staged}
+    return dataclasses.replace(record, upload_s=time.perf_counter() - staged)
 
 
 def load(trainer, path: str | Path, options: dict | None = None) -> None:

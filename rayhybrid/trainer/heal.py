@@ -6,7 +6,7 @@ new process group to the ranks of other replicas that lost theirs (no Ray here).
     restore(new_trainer, kept)           # a rank that kept the step the run heals to
     send(new_trainer, [3, 7])            # ...and gives it to the ranks that did not
     receive(new_trainer, src=1)          # a replacement, or a survivor a step behind
-    step_record(new_trainer, kept.metrics) # this rank's results of the step it now holds
+    step_record(new_trainer, kept.record)  # this rank's results of the step it now holds
 
 What a rank holds is its local shards (`DTensor.to_local()`) of the model and optimizer state,
 its RNG state, the step and the samples consumed (which fix the data position: sample i is a
@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from rayhybrid.data.streams import replica_shard, trace_rows
 from rayhybrid.trainer.checkpoint import apply, state_dict
+from rayhybrid.trainer.results import StepResult
 
 
 def heal_enabled(cfg) -> bool:
@@ -52,9 +53,9 @@ class Kept:
     shape: tuple
     tensors: dict[str, torch.Tensor]
     """"model/<name>", "optim/<name>" (local shards, on the CPU) and "rng"."""
-    metrics: dict | None
-    """This rank's metrics of step `step`, as `train_step` returned them (the driver may not have
-    had them: see `step_record`); None when it has none of that step."""
+    record: StepResult | None
+    """This rank's result of step `step`, as `train_step` returned it (the driver may not have
+    had it: see `step_record`); None when it has none of that step."""
 
     @property
     def nbytes(self) -> int:
@@ -77,29 +78,29 @@ def keep(trainer) -> Kept:
     )
 
 
-def _step_record(trainer) -> dict | None:
-    """The last step's metrics, as this rank's `train_step` reported them, if they are this
-    state's: when a rank dies after the commit vote, the others step, but the driver never has
-    that step's results (`step_record` gives them after the heal)."""
-    m = trainer.last_metrics
-    return m if m and m["step"] == trainer.step else None
+def _step_record(trainer) -> StepResult | None:
+    """The last step's result, as this rank's `train_step` returned it, if it is this state's:
+    when a rank dies after the commit vote, the others step, but the driver never has that
+    step's results (`step_record` gives them after the heal)."""
+    last = trainer.last_result
+    return last if last is not None and last.metrics["step"] == trainer.step else None
 
 
-def step_record(trainer, metrics: dict | None) -> dict:
+def step_record(trainer, record: StepResult | None) -> StepResult:
     """This rank's record of the step it holds after a heal, for the driver's one merge of a
-    step's results (rayhybrid/cluster/results.py): `metrics`, the ones it kept of that step, or
+    step's results (rayhybrid/cluster/merge.py): `record`, the one it kept of that step, or
     else what follows from its position (the samples it read, and with data.trace where they
     came from: sample i is a function of the data, the seed and i), with no figures."""
-    if metrics is not None and metrics["step"] == trainer.step:
-        return metrics
+    if record is not None and record.metrics["step"] == trainer.step:
+        return record
     t, global_batch = trainer.cfg.topology, trainer.cfg.train.global_batch_size
-    record = {"step": trainer.step, "consumed_samples": trainer.consumed_samples, "samples_read": None}
+    metrics = {"step": trainer.step, "consumed_samples": trainer.consumed_samples, "samples_read": None}
     if trainer.has_first or trainer.has_last:
         shard = replica_shard(trainer.consumed_samples - global_batch, global_batch, t.dp, trainer.coord.dp)
-        record["samples_read"] = [shard.start, shard.count]
+        metrics["samples_read"] = [shard.start, shard.count]
         if trainer.cfg.data.trace:
-            record["data_read"] = trace_rows(trainer.stream, trainer.step, shard)
-    return record
+            metrics["data_read"] = trace_rows(trainer.stream, trainer.step, shard)
+    return StepResult(metrics)
 
 
 def restore(trainer, kept: Kept) -> None:

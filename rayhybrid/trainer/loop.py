@@ -2,7 +2,7 @@
 
 trainer = Trainer(cfg, rank=rank, device=device)   # after init_process_group
 for _ in range(cfg.train.steps):
-    metrics = trainer.train_step()
+    result = trainer.train_step()                  # a StepResult: its metrics, the saves that ended
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from rayhybrid.trainer.evaluation import Evaluation
 from rayhybrid.trainer.heal import heal_enabled
 from rayhybrid.trainer.instrument import instrument_stage, timed_schedule
 from rayhybrid.trainer.optim import lr_at, set_lr
+from rayhybrid.trainer.results import RestoreResult, SaveResult, StepMetrics, StepResult
 from rayhybrid.trainer.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ class Trainer:
         # another replica holds the same shards (trainer/heal.py).
         self.heal = heal_enabled(cfg)
         self.settled = False  # whether the state is the run's (trained, restored or healed)
-        self.last_metrics: dict | None = None  # the last step's (and its evaluation's), for a step the driver missed
+        self.last_result: StepResult | None = (
+            None  # the last step's (and its evaluation's), for a step the driver missed
+        )
         self.stage_layers = {i: list(self.layout.stage_layers[i]) for i, _ in self.stages}
 
     def checkpoint_meta(self) -> dict:
@@ -96,7 +99,7 @@ class Trainer:
 
         return trainer_meta(self)
 
-    def save_checkpoint(self, root: str, keep: int, die_after_write: bool = False) -> dict:
+    def save_checkpoint(self, root: str, keep: int, die_after_write: bool = False) -> SaveResult:
         """Save the current step under `root` (a path or URL); returns what it did and any
         earlier asynchronous save that finished meanwhile (`finished`), see `Saver`."""
         from rayhybrid.trainer.checkpoint import Saver
@@ -107,7 +110,7 @@ class Trainer:
             self.saver = Saver(self, root, ck.storage_options, keep, ck.async_save, ck.keep_best)
         return self.saver.save(die_after_write)
 
-    def finished_checkpoints(self, wait: bool = False) -> list[dict]:
+    def finished_checkpoints(self, wait: bool = False) -> list[SaveResult]:
         """Asynchronous saves finished (committed or failed) since the last call; `wait`: wait
         for the one in flight first."""
         if self.saver is None:
@@ -120,15 +123,15 @@ class Trainer:
             self.saver.close()
             self.saver = None
 
-    def load_checkpoint(self, path: str, meta: dict) -> None:
+    def load_checkpoint(self, path: str, meta: dict) -> RestoreResult:
         """Restore a checkpoint written under any topology; the LR schedule follows `step`."""
         from rayhybrid.trainer.checkpoint import restore
 
-        self.settled = False
+        start, self.settled = time.perf_counter(), False
         restore(self, path, meta)
-        self.step = int(meta["step"])
-        self.consumed_samples = int(meta["consumed_samples"])
+        self.step, self.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
         self.settled = True
+        return RestoreResult(self.step, self.consumed_samples, time.perf_counter() - start)
 
     def describe(self) -> dict:
         """What this rank holds, for the driver's start-up table and summary."""
@@ -162,9 +165,9 @@ class Trainer:
         if self.memory is not None:
             self.memory.phase(stage, phase)
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over the global batch; returns metrics (same on every rank, but
-        `samples_read` and `peak_mb`, which are this rank's)."""
+    def train_step(self) -> StepResult:
+        """One optimizer step over the global batch: its metrics (same on every rank, but
+        `samples_read` and `peak_mb`, this rank's) and the asynchronous saves that ended meanwhile."""
         cfg, t = self.cfg, self.cfg.topology
         start, cpu_start = time.perf_counter(), time.process_time()
         lr = lr_at(self.step, cfg.train)
@@ -191,8 +194,7 @@ class Trainer:
                 self.consumed_samples += cfg.train.global_batch_size
                 self.settled = True
         elapsed = time.perf_counter() - start
-        # Kept before anything else can fail: a peer heal to this step records it from these.
-        self.last_metrics = {
+        metrics: StepMetrics = {
             "step": self.step,
             "loss": loss,
             "lr": lr,
@@ -217,10 +219,10 @@ class Trainer:
             "bubble": self.timeline.bubble(),  # this rank's idle share of the pipeline's time
             **({"trace": self.timeline.events} if self.timeline.record else {}),
         }
-        finished = self.finished_checkpoints()
-        if finished:  # uploads done since the last step
-            self.last_metrics["checkpoints"] = finished
-        return self.last_metrics
+        self.last_result = StepResult(metrics)  # kept before anything can fail: a peer heal records it
+        if finished := self.finished_checkpoints():  # uploads done since the last step
+            self.last_result = StepResult(metrics, tuple(finished))
+        return self.last_result
 
     def forward_backward(self) -> torch.Tensor:
         """Gradients of the global batch's mean loss (no optimizer step); returns this rank's

@@ -62,7 +62,7 @@ class TrialHost:
                 self.group.start()
             else:
                 self.group.reconfigure(cfg)
-            steps = [self.group.train(1, timeout_s=cfg.tune.step_timeout_s)[0] for _ in range(cfg.tune.steps)]
+            steps = [self.group.train(1, timeout_s=cfg.tune.step_timeout_s)[0].metrics for _ in range(cfg.tune.steps)]
         except WorkerError as err:
             errors = self.group.errors() if self.group is not None else {}
             oom = [rank for rank, msg in errors.items() if "OutOfMemoryError" in msg] or (

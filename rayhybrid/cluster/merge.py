@@ -1,58 +1,24 @@
-"""What the worker group returns to the driver: one optimizer step's figures (`StepMetrics`),
-rank 0's from the trainer merged with every rank's. The driver's records (metrics.jsonl) store it."""
+"""One step's results from every rank merged into the group's (`merge_steps`): rank 0's
+figures from the trainer, with what only all ranks together know. The results themselves are
+declared in rayhybrid/trainer/results.py; the driver's records (metrics.jsonl) store the merged
+`StepResult.metrics`."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from rayhybrid.trainer.results import StepMetrics, StepResult
 
 
-class StepMetrics(TypedDict, total=False):
-    """One optimizer step, as `metrics.jsonl` stores it: rank 0's figures from the trainer,
-    merged with every rank's by the worker group, completed by the observer and the log."""
-
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    step_time_s: float
-    tokens_per_s: float
-    consumed_samples: int
-    num_microbatches: int
-    dp: int
-    pp: int
-    tp: int
-    samples: list[list[int]]
-    """[first sample, count] read by each data-parallel replica, in dp order."""
-    data_wait_s: float
-    """The longest any rank waited for its samples in this step (in step_time_s)."""
-    data_read: dict[str, list[dict]]
-    """data.trace: rank -> what it read (written to data_trace/, not to metrics.jsonl)."""
-    bubble: float | None
-    """The pipeline's idle share of the step, over ranks."""
-    peak_mb: dict[str, float]
-    """metrics.memory: "rank<r>/stage<s>/<phase>" -> MB."""
-    activation_mb: dict[str, float]
-    val_loss: float
-    """The held-out loss after this step (eval.every; absent on other steps)."""
-    eval_s: float
-    """Seconds the evaluation took (not in step_time_s)."""
-    tflops: float
-    mfu: float | None
-    time: float
-    """Wall clock when the driver had the step."""
-
-
-def merge_steps(results: list[list[dict] | None], dp: int, replica_size: int) -> list[StepMetrics]:
-    """Every rank's results of one call (`results[rank][i]` for step i) -> one record per step:
+def merge_steps(results: list[list[StepResult] | None], dp: int, replica_size: int) -> list[StepResult]:
+    """Every rank's results of one call (`results[rank][i]` for step i) -> one result per step:
     the figures of the first rank that has them (rank 0 after a call), with what only all ranks
-    together know. The one merge of every step, a step healed forward included: there a rank
-    that received its state reports only what it read (`trainer.heal.step_record`), and a rank
-    with no record is None."""
+    together know, and the saves that rank 0 saw end. The one merge of every step, a step
+    healed forward included: there a rank that received its state reports only what it read
+    (`trainer.heal.step_record`), and a rank with no record is None."""
     ranks = [(rank, steps) for rank, steps in enumerate(results) if steps is not None]
     merged = []
     for i in range(len(ranks[0][1])):
-        step = [(rank, steps[i]) for rank, steps in ranks]
-        merged.append(_merge(step, dp, replica_size))
+        step = [(rank, steps[i].metrics) for rank, steps in ranks]
+        merged.append(StepResult(_merge(step, dp, replica_size), ranks[0][1][i].saves))
     return merged
 
 
