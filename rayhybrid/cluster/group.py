@@ -172,7 +172,8 @@ class WorkerGroup:
 
     def _join(self) -> None:
         """Every worker takes its rank, joins a new process group (a fresh port) and builds its
-        part of the model."""
+        part of the model. The state is replaced at each answer, so a drain after a join that
+        failed knows the workers' nodes and the rendezvous to close."""
         workers, timeout, get = self.workers, self.start_timeout_s, self.remote_calls.get
         self._state = self._state.but(infos=tuple(get([w.info.remote() for w in workers], timeout, "start")))
         # Rank 0 serves the rendezvous; the drain closes it when a rank is lost during the join.
