@@ -12,6 +12,7 @@ import types
 import pytest
 
 from rayhybrid.cluster.drain import Drained
+from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.config.topology import Topology
 from rayhybrid.driver.controller import Controller
 from rayhybrid.driver.launcher import Launcher
@@ -59,33 +60,39 @@ class FakeGroup:
 
     @property
     def workers(self) -> list:
-        return [None] * self.world
+        """Fake actors: `held` and `heal` answer from `kept` (the group's own `held`, `heal` and
+        `trace` below call them): a rank holds the step it kept, or its sender's, and reports
+        that step's record."""
 
-    def held(self) -> list[HeldState | None]:
-        return list(self.kept)
+        def worker(rank):
+            def heal(src, receivers):
+                self.calls.append(("heal", rank, src, receivers))
+                moved = 100 if src is not None else 100 * len(receivers)  # a receiver: what it got
+                step = self.astray.get(rank, self.kept[rank if src is None else src].step)
+                record = self.records.get(rank)
+                if record is None:  # what a rank that received its state reports: the samples it read
+                    record = {
+                        "step": step,
+                        "consumed_samples": 8 * step,
+                        "samples_read": [8 * step - 8 + 4 * (rank // 2), 4],
+                    }
+                return HealResult(step, StepResult(record), moved, 0.01)
 
-    def heal(self, sources: dict[int, int]) -> list[HealResult]:
-        """Every rank heals as the real group has it (a receiver from its sender, the others
-        from what they kept, sending to the ranks that name them): a rank holds the step it
-        kept, or its sender's, and reports that step's record."""
-        sends: dict[int, list[int]] = {}
-        for dst, src in sources.items():
-            sends.setdefault(src, []).append(dst)
-        return [self._heal(rank, sources.get(rank), sorted(sends.get(rank, []))) for rank in range(self.world)]
+            def trace(step, ranges):
+                self.calls.append(("trace", rank, step, ranges))
+                return [{"step": step, "sample": i} for start, count in ranges for i in range(start, start + count)]
 
-    def _heal(self, rank: int, src: int | None, receivers: list[int]) -> HealResult:
-        self.calls.append(("heal", rank, src, receivers))
-        moved = 100 if src is not None else 100 * len(receivers)  # a receiver: what it got
-        step = self.astray.get(rank, self.kept[rank if src is None else src].step)
-        record = self.records.get(rank)
-        if record is None:  # what a rank that received its state reports: the samples it read
-            record = {"step": step, "consumed_samples": 8 * step, "samples_read": [8 * step - 8 + 4 * (rank // 2), 4]}
-        return HealResult(step, StepResult(record), moved, 0.01)
+            return types.SimpleNamespace(
+                held=types.SimpleNamespace(remote=lambda: self.kept[rank]),
+                heal=types.SimpleNamespace(remote=heal),
+                trace=types.SimpleNamespace(remote=trace),
+            )
 
-    def trace(self, step: int, ranges: list[list[int]]) -> list[dict]:
-        """Rank 0's rows of the samples in `ranges`."""
-        self.calls.append(("trace", 0, step, ranges))
-        return [{"step": step, "sample": i} for start, count in ranges for i in range(start, start + count)]
+        return [worker(rank) for rank in range(self.world)]
+
+    # The worker group's own heal calls, on the fake actors; their answers come back as they are.
+    held, heal, trace = WorkerGroup.held, WorkerGroup.heal, WorkerGroup.trace
+    remote_calls = types.SimpleNamespace(get=lambda refs, timeout_s=None, what="call": list(refs))
 
     def train(self, steps, timeout_s=None, inject=None):
         self.calls.append(("train", inject))

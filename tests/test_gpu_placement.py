@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-import ray
 import torch
 from ray.util.placement_group import placement_group_table
 
@@ -19,7 +18,7 @@ from benchmarks.clusters import local_cluster
 from rayhybrid.cluster.connect import resolve_shape
 from rayhybrid.cluster.group import WorkerGroup
 from rayhybrid.cluster.placement import alive_nodes, check_capacity
-from rayhybrid.cluster.worker import CONTROL, TrainWorker
+from rayhybrid.cluster.worker import TrainWorker
 from rayhybrid.config.compose import compose, to_config
 from rayhybrid.config.topology import Layout
 from rayhybrid.parallel.mesh import choose_device, select_backend
@@ -60,7 +59,7 @@ def probe_worker():
         def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...]) -> dict:
             return self.placement(visible_gpus)
 
-    return ray.remote(concurrency_groups={CONTROL: 1})(ProbeWorker)
+    return ProbeWorker
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +80,11 @@ def probe(overrides: list[str]) -> tuple[Layout, list[dict], list[dict[int, str]
     shape = resolve_shape(cfg)
     assert shape.use_gpu
     check_capacity(shape, cfg.topology.dp, alive_nodes())
-    group = WorkerGroup(cfg, shape)
-    group._actor_cls = probe_worker()  # the only change: each rank stops before CUDA
+    group = WorkerGroup(cfg, shape, actor_cls=probe_worker())  # the only change: each rank stops before CUDA
     try:
         group.start()
-        bundles = [placement_group_table(group.groups[slot])["bundles_to_node_id"] for slot in group.active]
+        groups = group.reservation.groups
+        bundles = [placement_group_table(groups[slot])["bundles_to_node_id"] for slot in group.slots]
         return Layout.of(group.cfg), group.descriptions, bundles
     finally:
         group.shutdown(graceful=False)

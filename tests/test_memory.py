@@ -100,7 +100,7 @@ def test_a_budget_plays_the_device_capacity(tmp_path):
 
 
 def test_out_of_memory_is_found_behind_a_pipeline_wrapper():
-    from rayhybrid.cluster.worker import _out_of_memory
+    from rayhybrid.cluster.guard import out_of_memory
 
     oom = torch.OutOfMemoryError("4.2 MB of tensors would exceed tune.memory_budget_mb=4")
     try:
@@ -109,8 +109,8 @@ def test_out_of_memory_is_found_behind_a_pipeline_wrapper():
         except torch.OutOfMemoryError as err:
             raise RuntimeError("Failed to run stage backward:\nStage output: ...") from err
     except RuntimeError as wrapped:
-        assert _out_of_memory(wrapped) is oom
-    assert _out_of_memory(RuntimeError("Connection closed by peer")) is None
+        assert out_of_memory(wrapped) is oom
+    assert out_of_memory(RuntimeError("Connection closed by peer")) is None
 
 
 def test_receiving_a_peer_heal_holds_no_second_copy_of_the_state():

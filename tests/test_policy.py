@@ -214,7 +214,7 @@ def test_the_module_docstring_example():
 
 
 # -- Which failure the worker group reports ------------------------------------------------
-# (rayhybrid/cluster/group.py: the rank that failed first, not a peer that lost its connection
+# (rayhybrid/cluster/calls.py: the rank that failed first, not a peer that lost its connection
 # to it; FailurePolicy's repeat rule compares these causes.)
 
 PEER_GONE = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:62605"
@@ -222,7 +222,7 @@ OUT_OF_MEMORY = "OutOfMemoryError: the step needs 13.2 MB but tune.memory_budget
 
 
 def test_the_error_that_happened_first_is_reported_not_its_peers():
-    from rayhybrid.cluster.group import first_failure
+    from rayhybrid.cluster.calls import first_failure
 
     # Rank 0 ran out of memory and left the group; rank 1's collective then broke. Ray may hand
     # back rank 1's error first: the time each happened decides, not the order of arrival.
@@ -233,7 +233,7 @@ def test_the_error_that_happened_first_is_reported_not_its_peers():
 
 
 def test_a_worker_that_died_is_reported_before_errors_with_times():
-    from rayhybrid.cluster.group import first_failure
+    from rayhybrid.cluster.calls import first_failure
 
     died = "worker died: The actor died unexpectedly before finishing this task"
     err = first_failure([(0, PEER_GONE, 100.1), (3, died, None), (5, PEER_GONE, 100.0)])

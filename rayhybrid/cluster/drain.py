@@ -1,7 +1,8 @@
 """After a failed call: what is dead, which replica slots are broken and which nodes are lost.
 
 Every worker that still answers leaves its process group; the ones that died, hang or do not
-answer are killed. `drain(group)` is `WorkerGroup.drain`, kept here with its timeouts.
+answer are killed. `WorkerGroup.drain` runs `drain` on its state and the tracker of its calls,
+and keeps the state it returns.
 """
 
 from __future__ import annotations
@@ -14,17 +15,15 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayError
+from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rayhybrid.cluster.calls import DRAIN_TIMEOUT_S, Calls
 from rayhybrid.cluster.placement import dead_nodes, wait_for_node_verdicts
+from rayhybrid.cluster.state import GroupState
 
 log = logging.getLogger("rayhybrid.cluster.group")
 
-# After a failure, how long the workers still running get to notice it and leave the process
-# group (they normally take well under a second: the failed rank's closed connections wake
-# them; a killed stopped process takes Ray about 5s to end).
-DRAIN_TIMEOUT_S = 30.0
 # How long a worker blocked in a collective gets to answer a ping before it counts as hung. The
 # ping runs in the worker's control thread, which answers in milliseconds while the main thread
 # is blocked in a collective or computing; a stopped or wedged process never does.
@@ -49,50 +48,34 @@ class Drained:
     cannot be reached (its health checks)."""
 
 
-def drain(group) -> Drained:
+def drain(state: GroupState, calls: Calls) -> tuple[Drained, GroupState]:
     """After a failed call: every worker that still answers leaves the process group (a
     worker whose call failed has left already, closing its connections, so the peers
     blocked on it fail too, in a cascade); the ones that died, hang, or do not answer are
     killed. Waits (bounded) until the cluster has decided about the nodes of the workers
     that do not answer: a node that lost power is declared dead only after Ray's health
-    checks, and until then its placement group looks placed."""
-    topo = group.layout.topology
-    workers = group.workers
-    closing = close_rendezvous(group)
+    checks, and until then its placement group looks placed. Returns what it found and the
+    group's state after it: the actors gone marked None, the rendezvous closed."""
+    topo, workers, infos = state.layout.topology, state.workers, state.infos
+    closing = close_rendezvous(state.store_host)
     start = time.perf_counter()
-    hung = unresponsive(group) if group._hung else set()
+    hung = unresponsive(workers, calls.busy()) if calls.hung else set()
     found_s = time.perf_counter() - start
-    alive = sigkill([group.infos[rank] for rank in hung])  # their connections close: blocked peers fail
-    group._stop([workers[rank] for rank in hung])
-    dead = set(hung)
-    resets = {rank: workers[rank].reset.remote() for rank in range(len(workers)) if rank not in dead}
-    done, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=DRAIN_TIMEOUT_S)
-    unreachable = set()
-    for rank, ref in resets.items():
-        if ref not in done:
-            log.warning("rank %d did not leave the process group within %.0fs; replacing it", rank, DRAIN_TIMEOUT_S)
-            unreachable.add(rank)
-            continue
-        try:
-            ray.get(ref)
-        except ActorUnavailableError:  # its process cannot be reached, and Ray does not know why yet
-            unreachable.add(rank)
-        except RayError:
-            dead.add(rank)
-    dead |= unreachable
-    group._stop([workers[rank] for rank in dead - hung])
-    settle(group._inflight + closing)
-    group._inflight = []
+    alive = sigkill([infos[rank] for rank in hung])  # their connections close: blocked peers fail
+    stop([workers[rank] for rank in hung])
+    dead = hung | leave(workers, skip=hung)
+    stop([workers[rank] for rank in dead - hung])
+    calls.settle(closing)
     # The nodes of the workers gone: one that lost power looks alive for a while yet, and
     # its placement groups placed; a worker started there again would never start.
-    suspects = {group.infos[rank].node_id for rank in dead} - alive
+    suspects = {infos[rank].node_id for rank in dead} - alive
     start = time.perf_counter()
-    nodes_lost = wait_for_node_verdicts(suspects, group.cfg.cluster.placement_timeout_s)
+    nodes_lost = wait_for_node_verdicts(suspects, state.cfg.cluster.placement_timeout_s)
     found_s += time.perf_counter() - start
-    nodes_lost |= {group.infos[rank].node_id for rank in dead} & dead_nodes()
+    nodes_lost |= {infos[rank].node_id for rank in dead} & dead_nodes()
+    replicas = {slot: list(actors) for slot, actors in state.replicas.items()}
     for rank in dead:
-        slot = group.active[topo.coord(rank).dp]
-        group.replicas[slot][rank % topo.replica_size] = None
+        replicas[state.slots[topo.coord(rank).dp]][rank % topo.replica_size] = None
     log.info(
         "kept %d worker(s), replacing %d (ranks %s)%s",
         len(workers) - len(dead),
@@ -100,24 +83,40 @@ def drain(group) -> Drained:
         ",".join(map(str, sorted(dead))) or "none",
         f"; {len(nodes_lost)} node(s) lost" if nodes_lost else "",
     )
-    broken = frozenset(group.active[topo.coord(rank).dp] for rank in dead)
-    return Drained(frozenset(dead), broken, frozenset(nodes_lost), found_s)
+    broken = frozenset(state.slots[topo.coord(rank).dp] for rank in dead)
+    after = state.but(replicas={slot: tuple(actors) for slot, actors in replicas.items()}, store_host=None)
+    return Drained(frozenset(dead), broken, frozenset(nodes_lost), found_s), after
 
 
-def close_rendezvous(group) -> list:
-    """Stop the rendezvous store of the world that failed (served by its rank 0, see
+def leave(workers: list, skip: set[int]) -> set[int]:
+    """Every worker but those in `skip` leaves its process group (`TrainWorker.reset`); returns
+    the ranks that died meanwhile, or did not leave within DRAIN_TIMEOUT_S, or cannot be reached."""
+    resets = {rank: workers[rank].reset.remote() for rank in range(len(workers)) if rank not in skip}
+    done, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=DRAIN_TIMEOUT_S)
+    gone = set()
+    for rank, ref in resets.items():
+        if ref not in done:
+            log.warning("rank %d did not leave the process group within %.0fs; replacing it", rank, DRAIN_TIMEOUT_S)
+            gone.add(rank)
+            continue
+        try:
+            ray.get(ref)
+        except RayError:  # dead, or (ActorUnavailableError) cannot be reached and Ray does not know why yet
+            gone.add(rank)
+    return gone
+
+
+def close_rendezvous(host) -> list:
+    """Stop the rendezvous store of the world that failed (served by its rank 0 `host`, see
     `TrainWorker.host_store`); returns the call's ref. Ranks blocked in a join waiting there
     for a rank that is gone fail at once, instead of after JOIN_TIMEOUT_S (and gloo's retries
     on top): in torch 2.13 a process group forms by each rank waiting in the store for every
     other rank's address. The world is joined again anyway, with a new store."""
-    host, group.store_host = group.store_host, None
     return [host.close_store.remote()] if host is not None else []
 
 
-def unresponsive(group) -> set[int]:
-    """Ranks whose process does not answer a ping (stopped, wedged, holding the GIL)."""
-    workers = group.workers
-    busy = [rank for rank, ref in enumerate(group._inflight) if not finished(ref)]
+def unresponsive(workers: list, busy: list[int]) -> set[int]:
+    """Ranks of `busy` whose process does not answer a ping (stopped, wedged, holding the GIL)."""
     pings = {rank: workers[rank].ping.remote() for rank in busy}
     done, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_TIMEOUT_S)
     silent = set()
@@ -129,6 +128,13 @@ def unresponsive(group) -> set[int]:
         except (RayError, TimeoutError):
             silent.add(rank)
     return silent
+
+
+def stop(actors: list) -> None:
+    """Kill `actors` (None: none there)."""
+    for actor in actors:
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
 
 
 def sigkill(infos: list) -> set[str]:
@@ -161,18 +167,3 @@ def sigkill(infos: list) -> set[str]:
 def _sigkill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
-
-
-def settle(refs: list) -> None:
-    """Collect the outcome of a failed call's refs (all have ended or their actor is gone), so
-    Ray does not report the expected errors as unhandled."""
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
-    for ref in done:
-        try:
-            ray.get(ref)
-        except RayError:
-            pass
-
-
-def finished(ref) -> bool:
-    return bool(ray.wait([ref], timeout=0)[0])

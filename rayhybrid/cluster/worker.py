@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import ray
 
 from rayhybrid import faults as fault
+from rayhybrid.cluster.guard import guarded
+from rayhybrid.cluster.healer import Healer
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
-from rayhybrid.errors import ConfigError, RankFailed
-from rayhybrid.trainer.results import HealResult, HeldState
 
 if TYPE_CHECKING:
-    from rayhybrid.trainer.results import RestoreResult, SaveResult, StepResult
+    from rayhybrid.trainer.results import HealResult, HeldState, RestoreResult, SaveResult, StepResult
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class TrainWorker:
         self.rank = rank
         self.world_size = world_size
         self.trainer = None
-        self.kept = None  # fault.heal: the state kept across a failure (rayhybrid/trainer/heal.py)
+        self.healer = Healer()  # fault.heal: the state kept across a failure, and the heal
         self.store = None  # the rendezvous this worker serves as rank 0 (`host_store`)
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
         # DTensor warns on every step that a 2-D norm reduction takes two all-reduces, and
@@ -197,47 +197,26 @@ class TrainWorker:
         return self._guarded(self.trainer.finished_checkpoints, wait)
 
     def load(self, path: str, meta: dict) -> RestoreResult:
-        self.kept = None  # the run goes back to the checkpoint
+        self.healer.forget()  # the run goes back to the checkpoint
         return self._guarded(self.trainer.load_checkpoint, path, meta)
 
     def held(self) -> HeldState | None:
         """fault.heal: the step this worker kept across the failure, if its shards are the ones
         its new trainer holds, and whether it has that step's results (`recorded`); None when it
-        kept nothing usable."""
-        from rayhybrid.trainer.heal import shape_of
-
-        kept = self.kept
-        if kept is None or self.trainer is None or kept.shape != shape_of(self.trainer):
-            return None
-        return HeldState(kept.step, kept.nbytes, kept.record is not None)
+        kept nothing usable (`Healer.held`)."""
+        return self.healer.held(self.trainer)
 
     def heal(self, src: int | None, receivers: list[int]) -> HealResult:
         """Take the state the run heals to: the kept one (`src` None), sent on to `receivers`,
-        or rank `src`'s over the network. Returns the step it now holds, this rank's record of
-        that step (`step_record`), the bytes moved and the seconds taken."""
-        return self._guarded(self._heal, src, receivers)
-
-    def _heal(self, src: int | None, receivers: list[int]) -> HealResult:
-        from rayhybrid.trainer import heal
-
-        start = time.perf_counter()
-        if src is None:
-            heal.restore(self.trainer, self.kept)
-            moved = heal.send(self.trainer, receivers) if receivers else 0
-            kept = self.kept.record
-        else:  # what it kept is replaced, and so are its results
-            moved, kept = heal.receive(self.trainer, src), None
-        self.kept = None
-        record = heal.step_record(self.trainer, kept)
-        return HealResult(self.trainer.step, record, moved, time.perf_counter() - start)
+        or rank `src`'s over the network (`Healer.heal`)."""
+        # The trainer is looked up inside the call: on failure, `reset` must find it held by
+        # nothing else, or its process groups (and their connections) stay open.
+        return self._guarded(lambda: self.healer.heal(self.trainer, src, receivers))
 
     def trace(self, step: int, ranges: list[list[int]]) -> list[dict]:
-        """data.trace: the rows of the samples in `ranges` ([start, count]) read in step `step`.
-        Where a sample came from is a function of the data, the seed and the sample, so any
-        rank gives the rows of a replica lost with its step (a shrink that healed forward)."""
-        from rayhybrid.data.streams import Shard, trace_rows
-
-        return [row for start, count in ranges for row in trace_rows(self.trainer.stream, step, Shard(start, count))]
+        """data.trace: the rows of the samples in `ranges` ([start, count]) read in step `step`
+        (`Healer.trace`), for a replica lost with its step."""
+        return self.healer.trace(self.trainer, step, ranges)
 
     def train(self, steps: int = 1, inject: str | None = None) -> list[StepResult]:
         """Train `steps` steps, each followed by the held-out loss when eval.every says so;
@@ -270,25 +249,8 @@ class TrainWorker:
         return run
 
     def _guarded(self, fn, *args):
-        """Run `fn`; on failure leave the process group (waking the peers blocked on this
-        rank) and raise `RankFailed` with the error's one-line summary."""
-        config_error = None
-        try:
-            return fn(*args)
-        except ConfigError as err:
-            # The settings cannot work here (a model.module the workers cannot import, say):
-            # no restart can help, so the driver stops with it (exit code 2).
-            config_error = ConfigError(err.setting, f"{err.message} (on rank {self.rank}, pid {os.getpid()})")
-        except Exception as err:  # noqa: BLE001 - any failure breaks the group the same way
-            at = time.time()
-            err = _out_of_memory(err) or err
-            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-            message = f"{type(err).__name__}: {lines[0] if lines else ''}"
-        # Outside the handler, so the traceback's frames (and the trainer they hold) are gone.
-        self.reset()
-        if config_error is not None:
-            raise config_error
-        raise RankFailed(message, at)
+        """Run `fn`; on failure leave the process group (`reset`) and raise `RankFailed` (`guard.guarded`)."""
+        return guarded(self.reset, self.rank, fn, *args)
 
     def reset(self, keep: bool = True) -> None:
         """Drop the trainer and the process groups; idempotent. A group's connections close
@@ -299,7 +261,7 @@ class TrainWorker:
         import torch.distributed as dist
 
         if self.trainer is not None and keep and self.trainer.heal and self.trainer.settled:
-            self._keep()
+            self.healer.keep(self.trainer, self.rank)
         if self.trainer is not None:
             self.trainer.close_checkpoints()
             self.trainer.stream.close()  # its read-ahead thread
@@ -318,30 +280,7 @@ class TrainWorker:
         if torch.cuda.is_initialized():  # after an out-of-memory error: hand the cached memory back
             torch.cuda.empty_cache()
 
-    def _keep(self) -> None:
-        from rayhybrid.trainer.heal import keep
-
-        try:
-            self.kept = keep(self.trainer)
-        except Exception as err:  # noqa: BLE001 - nothing kept: the run restores a checkpoint
-            logging.getLogger("rayhybrid").warning("rank %d kept no state for healing: %s", self.rank, err)
-            self.kept = None
-
     def close(self) -> None:
-        self.kept = None
+        self.healer.forget()
         self.store = None
         self.reset(keep=False)
-
-
-def _out_of_memory(err: BaseException) -> BaseException | None:
-    """The out-of-memory error behind `err`, if any: torch's pipeline schedules wrap a stage's
-    errors in a RuntimeError ("Failed to run stage backward")."""
-    import torch
-
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, torch.OutOfMemoryError):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None

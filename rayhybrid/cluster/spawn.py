@@ -1,0 +1,66 @@
+"""Spawning the worker group's actors: the actor class, the user's code shipped with them, the
+driver's storage settings forwarded to them, and the bundle each one runs in."""
+
+from __future__ import annotations
+
+import ray
+
+from rayhybrid.cluster import code
+from rayhybrid.cluster.drain import stop
+from rayhybrid.cluster.placement import ReplicaShape
+from rayhybrid.cluster.reservation import Reservation
+from rayhybrid.cluster.worker import CONTROL, TrainWorker
+from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import Layout
+from rayhybrid.storage.store import forwarded_env
+
+
+class Spawner:
+    """Starts actors in the slots of a `Reservation`, one per rank of a replica (stage-major),
+    each in the bundle of its pipeline stage."""
+
+    def __init__(
+        self, cfg: Config, shape: ReplicaShape, reservation: Reservation, actor_cls: type = TrainWorker
+    ) -> None:
+        self.shape = shape
+        self.reservation = reservation
+        # The actor class (a test may probe with another), answering pings while it trains.
+        self.actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(actor_cls)
+        # The driver's storage settings (AWS_*, GOOGLE_*, ...), for nodes started without them.
+        self.env = forwarded_env()
+        # The model's code for nodes without it (cluster.code), its sizes checked before
+        # anything is placed; uploaded when actors start (rayhybrid/cluster/code.py).
+        self.code = code.shipment(cfg)
+
+    def actors(self, cfg: Config, slots: list[int], replicas) -> dict[int, tuple]:
+        """The actors of `slots` (slot -> actors): those of `replicas` kept, new ones where a slot
+        has none or lost some (None), made with `cfg`. If one cannot be started, the ones it
+        started are stopped again."""
+        size = Layout.of(cfg).topology.replica_size
+        starting = any(actor is None for slot in slots for actor in replicas.get(slot, [None]))
+        # The code is uploaded again if Ray dropped it meanwhile (no actor referred to it).
+        runtime_env = code.runtime_env(self.code, self.env) if starting else None
+        out, new = {}, []
+        try:
+            for slot in slots:
+                actors = list(replicas.get(slot, (None,) * size))
+                for local, actor in enumerate(actors):
+                    if actor is None:
+                        actors[local] = self._spawn(cfg, slot, local, runtime_env)
+                        new.append(actors[local])
+                out[slot] = tuple(actors)
+        except BaseException:
+            stop(new)
+            raise
+        return out
+
+    def _spawn(self, cfg: Config, slot: int, local: int, runtime_env: dict | None):
+        """An actor for position `local` (stage-major) of the replica in `slot`, in
+        `runtime_env` (the shipped code, the forwarded settings)."""
+        return self.actor_cls.options(
+            runtime_env=runtime_env,
+            num_cpus=self.shape.cpus_per_rank,
+            num_gpus=1 if self.shape.use_gpu else 0,
+            scheduling_strategy=self.reservation.strategy(slot, local),
+            max_restarts=0,
+        ).remote(cfg, 0, 1)
