@@ -1,6 +1,6 @@
 """The house rules of docs/design.md ("Layers and what each owns"), read from the source: each
 package imports only floors below its own, no modules import each other round a circle (lazy
-imports counted), the package root keeps only the public entry points, no class is over 300
+imports counted), the package root keeps only the public entry points, no class is over 250
 lines and no function over 60, and validating a config never imports torch. Beside the package:
 benchmarks/ imports nothing from tests/, and README.md is a front page under 300 lines whose
 links resolve. `python tests/test_house.py` prints the figures."""
@@ -45,7 +45,7 @@ each other. The trainer, models and parallel code sit below the cluster, so they
 configuration sits on the ground floor with the errors, so it imports no concern."""
 
 ROOT_MODULES = {"__init__.py", "__main__.py", "api.py", "errors.py", "preflight.py"}
-MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 250, 60
 
 
 def module_name(path: Path) -> str:
@@ -259,7 +259,7 @@ def test_configuration_imports_nothing_above_it():
             assert target == "rayhybrid.errors" or target.startswith("rayhybrid.config"), f"{path.name} -> {target}"
 
 
-def test_no_class_over_300_and_no_function_over_60_lines():
+def test_no_class_over_250_and_no_function_over_60_lines():
     too_long = [
         f"{where}: {lines} lines"
         for lines, kind, where in spans()
@@ -295,6 +295,56 @@ def test_validation_never_imports_torch(tmp_path):
         [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def private_reaches() -> list[str]:
+    """Module-level functions that reach into another object's private members (`group._get`):
+    a class's encapsulation must not span files. A dependency's private name (listed, with why,
+    in tests/test_private_apis.py) is exempt."""
+    from tests.test_private_apis import PRIVATE
+
+    allowed = {re.split(r"[.#]", p.path)[-1] for p in PRIVATE}
+    bad = []
+    for path in sources():
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = node.args
+            params = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+            for sub in ast.walk(node):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Name)
+                    and sub.value.id in params
+                    and sub.attr.startswith("_")
+                    and not sub.attr.startswith("__")
+                    and sub.attr not in allowed
+                ):
+                    bad.append(f"{module_name(path)}.{node.name}: {sub.value.id}.{sub.attr}")
+    return sorted(set(bad))
+
+
+def test_no_module_level_function_reaches_into_another_objects_private_members():
+    assert private_reaches() == []
+
+
+def shared_names() -> dict[str, list[str]]:
+    """Module file names (but __init__ and __main__) found in more than one package."""
+    where: dict[str, list[str]] = {}
+    for path in sources():
+        if path.name not in ("__init__.py", "__main__.py"):
+            where.setdefault(path.name, []).append(str(path.parent.relative_to(PACKAGE.parent)))
+    return {name: dirs for name, dirs in where.items() if len(dirs) > 1}
+
+
+def test_a_name_in_two_rooms_is_one_concept_the_design_names():
+    """Two modules of one name in different packages are the same concept at two layers (or in
+    two parallel rooms), and docs/design.md's "One name in two rooms" says which; otherwise one
+    is renamed (three heal modules, two checkpoint modules and two open_stores were the cost)."""
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    section = design.split("### One name in two rooms", 1)[1].split("\\n### ", 1)[0]
+    unexplained = sorted(name for name in shared_names() if f"`{name}`" not in section)
+    assert unexplained == [], f"name these in docs/design.md's 'One name in two rooms', or rename: {unexplained}"
 
 
 if __name__ == "__main__":

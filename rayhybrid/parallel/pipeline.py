@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -59,6 +60,11 @@ def build_schedule(
     return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+FORWARD_ORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""A multi-stage schedule -> its forward-only action list, lowered once (`forward_only`); kept
+here rather than on torch's object, and gone with the schedule."""
+
+
 def forward_only(schedule, *args, **kwargs) -> None:
     """One forward-only pass of the whole batch through `schedule` (evaluation): torch's
     `schedule.eval`, which runs the schedule without its backward. The multi-stage schedules
@@ -71,7 +77,7 @@ def forward_only(schedule, *args, **kwargs) -> None:
         schedule.eval(*args, **kwargs)
         return
     training = schedule.pipeline_order_with_comms
-    forward = getattr(schedule, "_forward_only_order", None)
+    forward = FORWARD_ORDERS.get(schedule)
     if forward is None:
         compute = {
             rank: [a for a in actions if a is not None and a.computation_type == _ComputationType.FORWARD]
@@ -84,7 +90,7 @@ def forward_only(schedule, *args, **kwargs) -> None:
             stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s],
             num_stages=schedule._num_stages,
         )
-        schedule._forward_only_order = forward
+        FORWARD_ORDERS[schedule] = forward
     schedule.pipeline_order_with_comms = forward
     try:
         schedule.eval(*args, **kwargs)
