@@ -13,13 +13,10 @@ def find_checkpoint(url: str, options: dict):
     """The committed checkpoint at `url` (a step directory), or the latest one under it (a
     checkpoint.dir); ConfigError saying why there is none."""
     from rayhybrid.storage import checkpoints as checkpoint_store
-    from rayhybrid.storage.store import Store
+    from rayhybrid.storage.store import open_store
 
     shown = redact_url(url)
-    try:
-        store = Store.open(url, options)
-    except ValueError as err:
-        raise ConfigError("--checkpoint", f"{shown}: {err}") from None
+    store = open_store(url, options, setting="--checkpoint")
     try:
         exists = store.fs.exists(store.root)
         is_step = checkpoint_store.step_of(store.root) is not None or store.fs.exists(

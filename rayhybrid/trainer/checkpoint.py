@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from rayhybrid.errors import ConfigError
 from rayhybrid.models.layers import tied_names
 from rayhybrid.storage import checkpoints as checkpoint_store
-from rayhybrid.storage.store import Store, one_line
+from rayhybrid.storage.store import Store, one_line, open_store
 from rayhybrid.trainer import upload
 from rayhybrid.trainer.results import RestoreResult, SaveResult
 
@@ -249,7 +249,7 @@ class Saver:
     ) -> None:
         self.trainer = trainer
         self.root = root
-        self.store = Store.open(root, options)
+        self.store = open_store(root, options, setting="checkpoint.dir")
         self.keep = keep
         self.keep_best = keep_best  # checkpoint.keep_best: retention spares the lowest val_loss
         self.rank = dist.get_rank()
@@ -357,7 +357,7 @@ def load(trainer, path: str | Path, options: dict | None = None) -> None:
     """Restore model, optimizer and RNG from the checkpoint at `path` (a path or URL),
     resharding to this rank's layout."""
     path = str(path)
-    store = Store.open(path, options)
+    store = open_store(path, options, setting="checkpoint.dir")
     state, keys = state_dict(trainer)
     with _as_exception():
         dcp.load(state, storage_reader=reader(store, store.root), process_group=trainer.world_group)
