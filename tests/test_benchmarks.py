@@ -263,3 +263,27 @@ def test_a_rerun_keeps_the_figures_from_development_runs(tmp_path):
     report.write(tmp_path / "new.md", results)
     assert (tmp_path / "new.md").read_text() == report.markdown(results)
     assert report.kept_section("# B\n\n" + kept + "## 9. Later\n\nx\n") == kept
+
+
+def test_losses_compares_per_step_losses_bit_for_bit(tmp_path, capsys):
+    """benchmarks/losses.py (the before/after check of a refactoring): equal runs pass; one
+    step's loss a single ulp apart fails, and so does a run only one side has."""
+    import math
+
+    from benchmarks import losses
+
+    def write(root, loss):
+        run = root / "outputs" / "2026-01-01" / "10-00-00"
+        run.mkdir(parents=True)
+        records = [{"kind": "step", "step": 1, "loss": 5.5}, {"kind": "step", "step": 2, "loss": loss}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    write(tmp_path / "a", 1.25)
+    write(tmp_path / "b", 1.25)
+    write(tmp_path / "c", math.nextafter(1.25, 2.0))
+    assert losses.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert losses.main([str(tmp_path / "a"), str(tmp_path / "c")]) == 1
+    assert "DIFFERENT" in capsys.readouterr().out
+    (tmp_path / "b" / "extra").mkdir()
+    (tmp_path / "b" / "extra" / "metrics.jsonl").write_text("")
+    assert losses.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
