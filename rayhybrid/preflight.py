@@ -69,11 +69,6 @@ def check(cfg: Config) -> None:
     check_environment(cfg)
 
 
-validate = check
-"""The name `check` had before the checks were split; callers outside the entry points (tests)
-still use it."""
-
-
 def to_run_config(node, overrides: Sequence[str] | None = None) -> Config:
     """A composed node -> `Config` with the shape of `model.init_from`'s Hugging Face
     config.json (rayhybrid/models/hf.py). `overrides`: the command line's (default: the node's

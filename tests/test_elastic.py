@@ -18,7 +18,7 @@ from rayhybrid.config.compose import compose, to_config
 from rayhybrid.config.validate import usable_dps
 from rayhybrid.driver.controller import RunFailed
 from rayhybrid.errors import ConfigError
-from rayhybrid.preflight import validate
+from rayhybrid.preflight import check
 from tests.test_recovery import KillInJoin, in_background, losses, when_step
 
 # A replica is pp2 x tp1: two ranks, one node of 2 CPUs. G=12 splits for dp 1, 2 and 3.
@@ -179,7 +179,7 @@ def _cfg(*overrides: str):
 def test_usable_dps_follow_the_global_batch():
     cfg = _cfg(*ELASTIC, "train.global_batch_size=8", "train.micro_batch_size=1", "elastic.max_dp=4")
     assert usable_dps(cfg) == [1, 2, 4]  # dp 3 cannot split 8 samples
-    validate(cfg)
+    check(cfg)
     # 1F1B needs pp micro-batches per replica: dp 4 leaves one each.
     cfg = _cfg(*ELASTIC, "topology.pp=2", "train.global_batch_size=8", "train.micro_batch_size=2", "elastic.max_dp=4")
     assert usable_dps(cfg) == [1, 2]
@@ -187,7 +187,7 @@ def test_usable_dps_follow_the_global_batch():
 
 def test_elastic_config_errors_name_the_setting():
     with pytest.raises(ConfigError) as info:
-        validate(
+        check(
             _cfg(
                 *ELASTIC,
                 "elastic.min_dp=3",
@@ -198,8 +198,8 @@ def test_elastic_config_errors_name_the_setting():
         )
     assert info.value.setting == "elastic.min_dp" and "valid dp values: 1, 2, 4, 8" in str(info.value)
     with pytest.raises(ConfigError) as info:
-        validate(_cfg(*ELASTIC, "elastic.min_dp=3", "elastic.max_dp=2"))
+        check(_cfg(*ELASTIC, "elastic.min_dp=3", "elastic.max_dp=2"))
     assert info.value.setting == "elastic.max_dp"
     with pytest.raises(ConfigError) as info:
-        validate(_cfg(*ELASTIC, "elastic.min_dp=0"))
+        check(_cfg(*ELASTIC, "elastic.min_dp=0"))
     assert info.value.setting == "elastic.min_dp"

@@ -184,12 +184,12 @@ def test_keep_best_keeps_the_lowest_val_loss_besides_the_newest(tmp_path):
 def test_a_tune_trial_of_a_keep_best_config_is_valid():
     """rayhybrid.tune's trials evaluate nothing, so they cannot keep the best checkpoint either
     (the shipped experiments set checkpoint.keep_best)."""
-    from rayhybrid.preflight import validate
+    from rayhybrid.preflight import check
     from rayhybrid.tune.run import trial_config
 
     cfg = load_config(["eval.every=5", "checkpoint.every=10", "checkpoint.keep_best=true"])
     trial = trial_config(cfg, {"micro_batch_size": 2, "num_microbatches": 2, "activation_checkpointing": False})
-    validate(trial)
+    check(trial)
     assert trial.eval.every == 0 and not trial.checkpoint.keep_best
     # Nor do they log to experiment trackers (whose checks need W&B's key where a trial runs).
     cfg = dataclasses.replace(cfg, metrics=dataclasses.replace(cfg.metrics, wandb=WandbConfig(enabled=True)))

@@ -52,7 +52,7 @@ def test_elastic_cluster_launcher_config_matches_its_command():
 
     from rayhybrid.config.compose import compose, to_config
     from rayhybrid.config.validate import usable_dps
-    from rayhybrid.preflight import validate
+    from rayhybrid.preflight import check
 
     path = REPO / "examples" / "elastic_cluster.yaml"
     text = path.read_text()
@@ -64,7 +64,7 @@ def test_elastic_cluster_launcher_config_matches_its_command():
     (command,) = [line for line in text.splitlines() if "python -m rayhybrid" in line]
     args = shlex.split(command.strip('# "'))[3:]
     cfg = to_config(compose(args))
-    validate(cfg)
+    check(cfg)
     assert cfg.elastic.enabled and cfg.elastic.max_dp == worker["max_workers"]
     assert usable_dps(cfg) == [1, 2, 4]
     assert cfg.topology.pp * cfg.topology.tp == 8  # one replica per 8-GPU node

@@ -33,7 +33,8 @@ from rayhybrid.faults import (
     validate_faults,
 )
 from rayhybrid.faults.kinds import doc_lines
-from rayhybrid.preflight import validate
+from rayhybrid.preflight import check
+from rayhybrid.trainer.results import StepResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +46,7 @@ def _cfg(topology: dict | None = None, **sections: dict) -> Config:
 
 def _error(cfg: Config) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        validate(cfg)  # validate() runs validate_faults
+        check(cfg)  # check() runs validate_faults
     assert "\n" not in str(info.value)  # one line for the CLI
     return info.value
 
@@ -103,9 +104,9 @@ def test_parse_rejects_unknown_kind():
 
 def test_valid_faults_pass():
     fault = {"inject": ("kill@1", "hang@9:0", "raise@150", "kill_save@50", "kill_save@150", "kill@50")}
-    validate(_cfg(fault=fault))
-    validate(_cfg(fault={"inject_rate": 1.0, "inject_kinds": RANDOM_KINDS}))
-    validate(_cfg(fault={"inject_rate": 0.0, "inject_kinds": ()}))  # no random faults: kinds unused
+    check(_cfg(fault=fault))
+    check(_cfg(fault={"inject_rate": 1.0, "inject_kinds": RANDOM_KINDS}))
+    check(_cfg(fault={"inject_rate": 0.0, "inject_kinds": ()}))  # no random faults: kinds unused
 
 
 @pytest.mark.parametrize("entry", ["kill@0", "kill@151", "hang@-3"])
@@ -120,17 +121,17 @@ def test_kill_save_needs_a_checkpoint_step():
     assert "checkpoint.every=50" in err.message
     err = _error(_cfg(fault={"inject": ("kill_save@150",)}, checkpoint={"every": 0}))
     assert "not a checkpoint step" in err.message and "checkpoint.every=0" in err.message
-    validate(_cfg(fault={"inject": ("kill_save@150",)}, checkpoint={"every": 40}))  # the final save
+    check(_cfg(fault={"inject": ("kill_save@150",)}, checkpoint={"every": 40}))  # the final save
 
 
 def test_rank_must_exist_in_the_largest_world():
     dp2_pp2 = {"dp": 2, "pp": 2}
-    validate(_cfg(dp2_pp2, fault={"inject": ("kill@5:3",)}))
+    check(_cfg(dp2_pp2, fault={"inject": ("kill@5:3",)}))
     err = _error(_cfg(dp2_pp2, fault={"inject": ("kill@5:4",)}))
     assert err.setting == "fault.inject" and "rank 4 does not exist" in err.message and "at most 4 ranks" in err.message
     # Elastic: the largest dp counts (elastic.max_dp=4 x tp 2 = 8 ranks).
     elastic = {"enabled": True, "min_dp": 1, "max_dp": 4}
-    validate(_cfg({"dp": 1, "tp": 2}, elastic=elastic, fault={"inject": ("hang@5:7",)}))
+    check(_cfg({"dp": 1, "tp": 2}, elastic=elastic, fault={"inject": ("hang@5:7",)}))
     err = _error(_cfg({"dp": 1, "tp": 2}, elastic=elastic, fault={"inject": ("hang@5:8",)}))
     assert "at most 8 ranks" in err.message
 
@@ -177,7 +178,7 @@ def test_command_line_form_composes():
         ("kill", "kill_save"),
         7,
     )
-    validate(replace(cfg, topology=replace(cfg.topology, dp=4)))
+    check(replace(cfg, topology=replace(cfg.topology, dp=4)))
     err = _error(replace(cfg, topology=replace(cfg.topology, dp=2)))  # hang@9:3 on 2 ranks
     assert "'hang@9:3': rank 3 does not exist" in err.message
 
@@ -323,7 +324,7 @@ def test_trigger_hang_stops_the_process():
 
 def test_kill_eval_needs_an_evaluation_step_and_is_never_drawn_at_random():
     every4 = {"every": 4}
-    validate(_cfg(fault={"inject": ("kill_eval@8",)}, eval=every4))  # an eval step: fine
+    check(_cfg(fault={"inject": ("kill_eval@8",)}, eval=every4))  # an eval step: fine
     err = _error(_cfg(fault={"inject": ("kill_eval@6",)}, eval=every4))
     assert err.setting == "fault.inject" and "no evaluation after step 6" in err.message
     assert "eval.every=4" in err.message
@@ -367,7 +368,7 @@ def test_the_table_drives_parsing_validation_and_the_plan(monkeypatch):
     monkeypatch.setitem(KINDS, "raise_save", Kind("save", "raise", True, "it raises in the save"))
     assert parse("raise_eval@8") == Injection("raise_eval", 8, None) and parse("raise_eval@8").phase == "step"
     assert parse("raise_save@50").phase == "save"
-    validate(_cfg(fault={"inject": ("raise_eval@8", "raise_save@50")}, eval={"every": 4}))
+    check(_cfg(fault={"inject": ("raise_eval@8", "raise_save@50")}, eval={"every": 4}))
     err = _error(_cfg(fault={"inject": ("raise_eval@6",)}, eval={"every": 4}))
     assert "no evaluation after step 6" in err.message
     err = _error(_cfg(fault={"inject": ("raise_save@7",)}))
@@ -396,10 +397,10 @@ class _FakeTrainer:
     def __init__(self, calls: list) -> None:
         self.step, self.calls = 0, calls
 
-    def train_step(self) -> dict:
+    def train_step(self) -> StepResult:
         self.step += 1
         self.calls.append(("train_step", self.step))
-        return {"step": self.step}
+        return StepResult({"step": self.step})
 
     def evaluate(self) -> float:
         self.calls.append(("evaluate", self.step))

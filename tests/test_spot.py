@@ -351,10 +351,10 @@ def test_bad_settings_are_one_line_errors(make, setting):
 def test_a_bad_poll_interval_is_a_config_error():
     from rayhybrid.config.compose import compose, to_config
     from rayhybrid.errors import ConfigError
-    from rayhybrid.preflight import validate
+    from rayhybrid.preflight import check
 
     with pytest.raises(ConfigError, match=r"cluster.spot_poll_s: must be positive, got 0"):
-        validate(to_config(compose(["cluster.spot_poll_s=0"])))
+        check(to_config(compose(["cluster.spot_poll_s=0"])))
 
 
 def test_the_drain_reason_is_rays_own_preemption_member(monkeypatch):
