@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -102,6 +103,7 @@ def _node_outright(run_dir: Path) -> dict:
     import ray
     from clusters import add_node, local_cluster, lose_power
 
+    sys.path.insert(0, str(common.ROOT))
     import rayhybrid
 
     with local_cluster(head_cpus=0, node_cpus=[2, 2]) as (cluster, _):

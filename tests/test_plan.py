@@ -402,7 +402,8 @@ def test_communication_bytes_by_hand():
 
 def test_placement_on_a_two_node_cluster(tmp_path):
     import ray
-    from clusters import local_cluster
+
+    from benchmarks.clusters import local_cluster
 
     with local_cluster(head_cpus=0, node_cpus=[4, 4]) as (cluster, nodes):
         proc = run_cli(

@@ -1,6 +1,6 @@
 """The workers' typed results (rayhybrid/trainer/results.py) and the group's merge of them
 (rayhybrid/cluster/merge.py), without Ray or torch: what crosses the process boundary is a
-plain frozen value, and the merged step keeps the saves rank 0 reported."""
+plain frozen value, and the merged step keeps the saves of the rank whose figures it takes."""
 
 from __future__ import annotations
 
@@ -36,6 +36,22 @@ def test_the_merged_step_keeps_rank_0s_saves_and_every_ranks_figures():
     assert m["samples"] == [[16, 4], [20, 4]] and "samples_read" not in m
     assert (m["data_wait_s"], m["cpu_s"]) == (0.3, 0.5)  # the slowest rank's
     assert results[0][0].metrics["samples_read"] == [16, 4]  # the ranks' own results are left as they were
+
+
+def test_a_step_healed_forward_keeps_the_saves_of_the_rank_that_trained_it():
+    """After a heal, rank 0 may be a rank that received its state (it reports only the samples
+    it read, and no saves); the merged step's figures and saves are both those of the rank that
+    took the step and kept its results, as the driver read them before the results were typed."""
+    committed = SaveResult(2, "/c/step_00000002", True, 0.0, blocked_s=0.1, upload_s=0.4)
+    received = {"step": 3, "consumed_samples": 24, "samples_read": [16, 4]}
+    results = [
+        [StepResult(received)],
+        [StepResult(rank_metrics(1, loss=0.25), (committed,))],
+        [StepResult(rank_metrics(2))],
+        [StepResult(rank_metrics(3))],
+    ]
+    (merged,) = merge_steps(results, dp=2, replica_size=2)
+    assert merged.metrics["loss"] == 0.25 and merged.saves == (committed,)
 
 
 def test_a_step_with_no_save_that_ended_merges_to_none():

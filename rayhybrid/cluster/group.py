@@ -234,7 +234,7 @@ class WorkerGroup:
         ]
 
     def load(self, path: str, meta: dict) -> RestoreResult:
-        """Every rank restores the checkpoint at `path` (its `meta`, checkpoint.json); rank 0's result."""
+        """Every rank restores the checkpoint at `path` (its `meta`, meta.json); rank 0's result."""
         calls = [w.load.remote(path, meta) for w in self.workers]
         return self.remote_calls.get(calls, self.start_timeout_s, "restore")[0]
 

@@ -11,14 +11,15 @@ from rayhybrid.trainer.results import StepMetrics, StepResult
 def merge_steps(results: list[list[StepResult] | None], dp: int, replica_size: int) -> list[StepResult]:
     """Every rank's results of one call (`results[rank][i]` for step i) -> one result per step:
     the figures of the first rank that has them (rank 0 after a call), with what only all ranks
-    together know, and the saves that rank 0 saw end. The one merge of every step, a step
+    together know, and the saves that same rank saw end. The one merge of every step, a step
     healed forward included: there a rank that received its state reports only what it read
-    (`trainer.heal.step_record`), and a rank with no record is None."""
+    (`trainer.heal.step_record`), its saves with it, and a rank with no record is None."""
     ranks = [(rank, steps) for rank, steps in enumerate(results) if steps is not None]
     merged = []
     for i in range(len(ranks[0][1])):
         step = [(rank, steps[i].metrics) for rank, steps in ranks]
-        merged.append(StepResult(_merge(step, dp, replica_size), ranks[0][1][i].saves))
+        figures = next((steps[i] for _, steps in ranks if "loss" in steps[i].metrics), ranks[0][1][i])
+        merged.append(StepResult(_merge(step, dp, replica_size), figures.saves))
     return merged
 
 

@@ -4,7 +4,7 @@
   config.json sets the model's shape (`resolve_init_from`, at composition); each rank then reads
   only its own shards of the safetensors through DCP's `HuggingFaceStorageReader`
   (rayhybrid/trainer/hf_load.py).
-- Out: `python -m rayhybrid.export` (rayhybrid/export.py).
+- Out: `python -m rayhybrid.export` (rayhybrid/export/).
 """
 
 from __future__ import annotations

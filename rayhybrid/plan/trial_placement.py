@@ -52,7 +52,7 @@ def place(cfg: Config) -> dict:
     ranks = []
     for rank in range(topo.world_size):
         c = topo.coord(rank)
-        node_id = bundles[c.dp][c.pp]  # bundle index = pipeline stage (cluster/group.py)
+        node_id = bundles[c.dp][c.pp]  # bundle index = pipeline stage (cluster/reservation.py)
         ranks.append(
             {
                 "rank": rank,

@@ -31,7 +31,7 @@ class Evaluation:
         cfg, t = trainer.cfg, trainer.cfg.topology
         if self.held_out is None:
             self.held_out = build_held_out(cfg.data, cfg.model.vocab_size, cfg.seed, trainer.stream)
-        meter, trainer.memory_meter = trainer.memory_meter, None  # what evaluation holds is not a training step's
+        meter, trainer.memory = trainer.memory, None  # what evaluation holds is not a training step's
         trainer.timeline.begin_step(record=False)  # nor its spans (a traced step's are handed out)
         global_batch = cfg.train.global_batch_size
         total = torch.zeros((), device=trainer.device)
@@ -45,7 +45,7 @@ class Evaluation:
                 with trainer.step_context():
                     total += trainer.forward_only(inputs, targets)
         finally:
-            trainer.memory_meter = meter
+            trainer.memory = meter
         loss = trainer.global_loss(total) / cfg.eval.batches
         self.val_loss = (trainer.step, loss)
         return loss
