@@ -119,7 +119,7 @@ def test_prepared_data_read_with_credentials_only_in_data_storage_options_keeps_
         f"data.storage_options.key={data_key}",
         f"data.storage_options.secret={data_secret}",
     ]
-    with s3.env(AWS_ENDPOINT_URL=s3.DEAD_ENDPOINT, AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None):
+    with s3_server.env(AWS_ENDPOINT_URL=s3_server.DEAD_ENDPOINT, AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None):
         summary = rayhybrid.train(overrides, run_dir=run_dir)
     assert summary["status"] == "completed" and summary["steps"] == 4
     latest = checkpoint_store.latest(str(tmp_path / "ckpts"))
