@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import sys
 
 import pytest
 import ray
@@ -127,3 +128,27 @@ def test_a_ray_without_its_private_printer_leaves_its_text_on_the_terminal(
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert "\n" not in warning and "Ray's own text stays on the terminal" in warning
     assert "print_to_stdstream" in warning and "ray==2.60" in warning
+
+
+def test_what_the_process_prints_inside_printed_goes_to_the_run_log(tmp_path, capsys):
+    """`RayText.printed` (the tune's hold on Ray Tune's banners and tables): what is printed
+    meanwhile, to stdout or stderr, is in the run's log file line by line, not on the terminal;
+    afterwards printing reaches the terminal again."""
+    gc.collect()
+    text = RayText(tmp_path)
+    with text.printed():
+        print("╭── Configuration for experiment ──╮\n│ Search algorithm │")
+        print("a last line without its newline", end="")
+        print("a warning", file=sys.stderr)
+    print("after")
+    text.close()
+    out, err = capsys.readouterr()
+    assert (out, err) == ("after\n", "")
+    logged = (tmp_path / "ray.log").read_text()
+    for line in (
+        "[stdout][INFO] ╭── Configuration for experiment ──╮",
+        "[stdout][INFO] │ Search algorithm │",
+        "[stdout][INFO] a last line without its newline",
+        "[stderr][INFO] a warning",
+    ):
+        assert line in logged, logged

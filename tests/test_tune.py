@@ -18,10 +18,12 @@ BUDGET_MB = 6  # the tiny model on pp2: about 2 MB fixed and 0.6-1.1 MB per samp
 COLUMNS = {"micro_batch_size", "num_microbatches", "activation_checkpointing", "peak_mb", "oom", "tokens_per_s"}
 
 
-def tune(out, *args):
+def tune(out, *args, env_extra=None):
     """`python -m rayhybrid.tune *args` into `out/run`: it succeeds; (process, run directory,
     tune_results.csv rows, tune_summary.json)."""
-    proc = run_cli([*args, f"hydra.run.dir={out}/run"], cwd=out, timeout=600, module="rayhybrid.tune")
+    proc = run_cli(
+        [*args, f"hydra.run.dir={out}/run"], cwd=out, timeout=600, module="rayhybrid.tune", env_extra=env_extra
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = out / "run"
     with open(run / "tune_results.csv") as f:
@@ -29,9 +31,15 @@ def tune(out, *args):
     return proc, run, rows, json.loads((run / "tune_summary.json").read_text())
 
 
+# torch's C++ log lines at INFO: every worker writes some to its stderr (c10d's "[I... socket.cpp:...]"),
+# as a GPU node's workers write their warnings ("[W... socket.cpp:207] The hostname of the client socket ...").
+CPP_LOG = {"TORCH_CPP_LOG_LEVEL": "INFO"}
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
-    return tune(tmp_path_factory.mktemp("tune"), "+topology=pp2", f"tune.memory_budget_mb={BUDGET_MB}")[:3]
+    out = tmp_path_factory.mktemp("tune")
+    return tune(out, "+topology=pp2", f"tune.memory_budget_mb={BUDGET_MB}", env_extra=CPP_LOG)[:3]
 
 
 def test_results_table_and_files(tuned):
@@ -49,6 +57,23 @@ def test_results_table_and_files(tuned):
         assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((run / "tune_summary.json").read_text())
     assert summary["trials"] == len(rows)
+
+
+def test_the_terminal_has_a_line_per_trial_and_the_table_and_ray_tunes_text_is_in_tune_log(tuned):
+    """The terminal is rayhybrid's lines: one per trial, the result table, the command; Ray
+    Tune's banners and tables and the workers' C++ log lines are in `<run dir>/tune.log`, with
+    rayhybrid's lines."""
+    proc, run, rows = tuned
+    terminal = proc.stdout + proc.stderr
+    trial_lines = [line for line in terminal.splitlines() if line.startswith("trial ") and "): micro-batch" in line]
+    assert [line.split(" ")[1] for line in trial_lines] == [str(i) for i in range(1, len(rows) + 1)], terminal
+    assert "trial     purpose" in proc.stdout and "train with:" in proc.stdout  # the table, the command
+    ray_text = ("Configuration for experiment", "View detailed results", "tensorboard", "Trial status", "socket.cpp")
+    assert [text for text in ray_text + ("╭", "pid=", "c10d") if text in terminal] == [], terminal
+    logged = (run / "tune.log").read_text()
+    assert "[stdout][INFO] │ Configuration for experiment" in logged and "View detailed results" in logged
+    assert "(TrainWorker pid=" in logged and "socket.cpp" in logged  # the workers' C++ lines
+    assert all(line in logged for line in trial_lines)
 
 
 def test_memory_search_targets(tuned):

@@ -4,7 +4,9 @@ rayhybrid/driver/runlog.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import logging
 import threading
 import time
@@ -32,7 +34,8 @@ class RayText:
     While a run is open, Ray's error messages, the autoscaler's events, the workers' stderr
     (their log records, warnings and tracebacks; rayhybrid's worker lines) and the `ray`
     logger's records go to the run's log file: Hydra's `<run dir>/__main__.log` for a
-    command-line run, else `<run dir>/ray.log` (made at the first line). The workers' stdout (a
+    command-line run, `<run dir>/tune.log` for a tune (rayhybrid/tune/run.py), else
+    `<run dir>/ray.log` (made at the first line); `printed` adds what the process prints. The workers' stdout (a
     user's print) stays on the terminal, deduplicated by Ray as before. Ray has no hook for the
     error messages but the module function its listener looks up at each message, so that
     function is swapped (`_route`) while any run is open; the workers' lines come through
@@ -53,6 +56,7 @@ class RayText:
     def __init__(self, run_dir: Path) -> None:
         self.ray = _ray_internals()
         self.closed = self.ray is None  # nothing to route: Ray prints as it does
+        self.handler = None
         if self.closed:
             return
         self.handler, self.own_handler = _run_log_handler(run_dir)
@@ -74,6 +78,26 @@ class RayText:
         for line in lines:
             text = line.split(self.ray.info_prefix)[-1]
             self.handler.handle(logging.LogRecord("ray", level, __file__, 0, "(%s) %s", (source, text), None))
+
+    @contextlib.contextmanager
+    def printed(self):
+        """Meanwhile, what this process prints (to sys.stdout and sys.stderr: a library's
+        banners and tables, Ray Tune's progress output, the workers' lines Ray prints) goes to
+        the run's log file, line by line, as `stdout` and `stderr` records. rayhybrid's own
+        lines still show: its logger's handlers hold the stream they were made with. Nothing is
+        redirected when Ray's text is not routed (a Ray without the private parts)."""
+        if self.closed or self.handler is None:
+            yield
+            return
+        with (
+            contextlib.redirect_stdout(_LinesToLog(self.handler, "stdout")) as out,
+            contextlib.redirect_stderr(_LinesToLog(self.handler, "stderr")) as err,
+        ):
+            try:
+                yield
+            finally:
+                out.flush_line()
+                err.flush_line()
 
     def close(self) -> None:
         """The run is over: Ray prints to the terminal again (once no other run is open). When
@@ -184,6 +208,36 @@ def _swap_dispatcher(old, new) -> None:
         if name == "ray_print_logs" and isinstance(handler, functools.partial) and handler.func is old:
             dispatcher.remove_handler(name)
             dispatcher.add_handler(name, functools.partial(new, *handler.args, **handler.keywords))
+
+
+class _LinesToLog(io.TextIOBase):
+    """A text stream whose lines become records of `name` in the run's log file (`printed`)."""
+
+    def __init__(self, handler: logging.Handler, name: str) -> None:
+        super().__init__()
+        self.handler, self.name = handler, name
+        self.lock = threading.Lock()  # Ray's log thread prints too
+        self.part = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            *lines, self.part = (self.part + text).split("\n")
+        for line in lines:
+            self._record(line)
+        return len(text)
+
+    def flush_line(self) -> None:
+        """The last line, when it had no newline."""
+        with self.lock:
+            line, self.part = self.part, ""
+        self._record(line)
+
+    def _record(self, line: str) -> None:
+        if line.strip():
+            self.handler.handle(logging.LogRecord(self.name, logging.INFO, __file__, 0, "%s", (line.rstrip(),), None))
 
 
 class _ToRunLog(logging.Handler):

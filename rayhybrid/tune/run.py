@@ -11,6 +11,7 @@ processes stay light (no resources, no torch).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -234,25 +235,49 @@ def run_tune(cfg: Config, overrides: list[str] | tuple = ()) -> dict:
 
     out = Path(cfg.run_dir or ".").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    started_ray = connect(cfg)
-    host = None
-    try:
-        shape = _checked_shape(cfg)
-        budget = resolve_budget_mb(cfg, shape)
-        cfg = replace(cfg, tune={"memory_budget_mb": budget})
-        plan = search_plan(cfg, shape, budget)
-        # The host imports the model (its trials' checks) and starts the workers: it gets the
-        # shipped code (cluster.code), and its workers inherit it.
-        shipped = code.shipment(cfg)
-        host_cls = ray.remote(num_cpus=0)(TrialHost).options(runtime_env=code.runtime_env(shipped))
-        host = host_cls.remote(code.inherited(cfg, shipped), shape)
-        wall = _run_trials(plan, host, out)
-    finally:
-        _release(host, started_ray)
-    summary = report.write(cfg, plan, out, wall, list(overrides))
+    with _tune_log(out) as ray_text:
+        with ray_text.printed():  # Ray Tune's banners and tables, into tune.log
+            started_ray = connect(cfg)
+            host = None
+            try:
+                shape = _checked_shape(cfg)
+                budget = resolve_budget_mb(cfg, shape)
+                cfg = replace(cfg, tune={"memory_budget_mb": budget})
+                plan = search_plan(cfg, shape, budget)
+                # The host imports the model (its trials' checks) and starts the workers: it gets the
+                # shipped code (cluster.code), and its workers inherit it.
+                shipped = code.shipment(cfg)
+                host_cls = ray.remote(num_cpus=0)(TrialHost).options(runtime_env=code.runtime_env(shipped))
+                host = host_cls.remote(code.inherited(cfg, shipped), shape)
+                wall = _run_trials(plan, host, out)
+            finally:
+                _release(host, started_ray)
+        summary = report.write(cfg, plan, out, wall, list(overrides))
     if plan.best is None:
         raise RayHybridError(f"no trial fitted tune.memory_budget_mb={budget:g}; see {out / 'tune_results.csv'}")
     return summary
+
+
+@contextlib.contextmanager
+def _tune_log(out: Path):
+    """The tune's log file, `<run dir>/tune.log`, for the run: rayhybrid's lines (also on the
+    terminal: one per trial, the result table), and Ray's text instead of the terminal (the
+    workers' stderr, C++ warnings included, the raylet's messages, the `ray` logger: the
+    `RayText` it yields, whose `printed` adds Ray Tune's banners and tables). The terminal is as
+    quiet as a training run's."""
+    from rayhybrid.driver.raytext import RayText
+
+    logger = logging.getLogger("rayhybrid")
+    handler = logging.FileHandler(out / "tune.log")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    logger.addHandler(handler)
+    text = RayText(out)  # finds tune.log: a handler of the `rayhybrid` logger in `out`
+    try:
+        yield text
+    finally:
+        text.close()  # after _release: a Ray this run started is gone
+        logger.removeHandler(handler)
+        handler.close()
 
 
 def _checked_shape(cfg: Config):
