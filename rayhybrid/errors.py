@@ -8,6 +8,10 @@ from __future__ import annotations
 
 CONFIG_EXIT_CODE = 2
 
+TESTED_TORCH = "torch>=2.11,<2.14"
+"""The torch versions rayhybrid is tested with, for the lines that say which torch to use: the
+range pyproject.toml declares (tests/test_torch_range.py keeps the two, and README, agreed)."""
+
 
 class RayHybridError(Exception):
     """Base class; `str(err)` is a single line meant for the user."""

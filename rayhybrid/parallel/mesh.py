@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from rayhybrid.errors import TESTED_TORCH
+
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +36,7 @@ def _lacking(what_is_lost: str, missing: list[str]) -> bool:
     if missing and what_is_lost not in _warned:
         _warned.add(what_is_lost)
         log.warning(
-            "%s: this torch lacks %s (rayhybrid is tested with torch==2.13.0)", what_is_lost, ", ".join(missing)
+            "%s: this torch lacks %s (rayhybrid is tested with %s)", what_is_lost, ", ".join(missing), TESTED_TORCH
         )
     return bool(missing)
 

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rayhybrid.config.schema import Config, TrainConfig
 from rayhybrid.config.topology import Layout
+from rayhybrid.errors import TESTED_TORCH
 from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.spec import ModelSpec
 from rayhybrid.parallel.pipeline import build_schedule
@@ -138,7 +139,7 @@ def build_memory_meter(
         from rayhybrid.trainer.memory_meter import MemoryMeter
     except ImportError as err:
         logging.getLogger("rayhybrid").warning(
-            "metrics.memory is off: this torch's memory tracker moved (%s); use torch==2.13.0", one_line(err)
+            "metrics.memory is off: this torch's memory tracker moved (%s); use %s", one_line(err), TESTED_TORCH
         )
         return None
     budget = cfg.tune.memory_budget_mb if device.type == "cpu" else 0.0

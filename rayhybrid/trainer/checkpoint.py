@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rayhybrid.errors import ConfigError
+from rayhybrid.errors import TESTED_TORCH, ConfigError
 from rayhybrid.models.layers import tied_names
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store, one_line, open_store
@@ -142,7 +142,7 @@ def _fsspec_io() -> tuple[type, type]:
         raise ConfigError(
             "checkpoint.dir",
             f"this torch cannot write checkpoints to a store ({one_line(err)}); give a local path or a shared "
-            "mount, or use torch==2.13.0",
+            f"mount, or use {TESTED_TORCH}",
         ) from None
     return FsspecReader, FsspecWriter
 
