@@ -553,3 +553,17 @@ def heal_records(rank: int, cfgs: dict, steps: int) -> dict:
         "received": heal.step_record(tr, None).metrics,
         "kept": heal.step_record(tr, result).metrics,
     }
+
+
+def v_warmup_peers(rank: int) -> list[int]:
+    """The group ranks this rank's warm-up messages go to, on pp2 with zbv's stages (0 and 3 on
+    rank 0, 1 and 2 on rank 1): rayhybrid's `Stage`, as torch 2.11's schedules ask for them."""
+    from rayhybrid.parallel.pipeline import Stage
+
+    own = (0, 3) if rank == 0 else (1, 2)
+    stages = [Stage(torch.nn.Linear(2, 2), i, 4, torch.device("cpu"), group=torch.distributed.group.WORLD) for i in own]
+    peers = []
+    for stage in stages:
+        stage.stage_index_to_group_rank = {0: 0, 1: 1, 2: 1, 3: 0}
+        peers += [op.group_peer for op in stage._get_init_p2p_neighbors_ops()]
+    return peers

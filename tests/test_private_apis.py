@@ -110,6 +110,11 @@ PRIVATE = (
     Private(f"{SCHEDULES}._PipelineScheduleRuntime#_num_stages", PIPE),
     Private(f"{SCHEDULES}._add_send_recv", PIPE, (1, ("stage_to_rank", "num_stages"))),
     Private(f"{SCHEDULES}._add_unshard_reshard", PIPE, (1, ())),
+    Private(
+        "torch.distributed.pipelining.PipelineStage._get_init_p2p_neighbors_ops",
+        "parallel/pipeline.py Stage: zbv on gloo under torch 2.11 (overridden; 2.13 does not call it)",
+        (1, ()),
+    ),
     Private(f"{SCHEDULES}._wait_batch_p2p", "trainer/instrument.py: trace.json's p2p waits (swapped)", (1, ())),
     Private("torch.distributed.checkpoint._fsspec_filesystem.FsspecReader", "trainer/checkpoint.py: loading"),
     Private("torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter", "trainer/checkpoint.py: saving"),

@@ -6,6 +6,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -32,6 +33,18 @@ SCHEDULE_CLASSES = {
 }
 
 
+class Stage(PipelineStage):
+    """torch's `PipelineStage`, without the warm-up messages a rank would send to itself. torch
+    2.11 warms a pipeline up with a message to each neighbouring stage
+    (`_get_init_p2p_neighbors_ops`), its own rank's included where a V schedule (zbv) puts two
+    neighbouring stages on one rank; gloo cannot send to its own rank ("Pair is not connected"),
+    and such a message carries nothing. torch 2.13 warms up with a vote and does not ask for
+    these messages (docs/torch-versions.md)."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+
 def build_schedule(
     schedule: str,
     stages: list[tuple[int, nn.Module]],
@@ -50,7 +63,7 @@ def build_schedule(
     gradient of the replica's mean loss. `instrument` is called with each `PipelineStage` (the
     memory meter labels its forward and backward chunks).
     """
-    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
+    pipeline_stages = [Stage(module, index, num_stages, device, group=group) for index, module in stages]
     for stage in pipeline_stages if instrument is not None else ():
         instrument(stage)
     cls = SCHEDULE_CLASSES[schedule]
