@@ -22,8 +22,10 @@ case $installed in
 *) echo "check_torch: torch is $installed after pip install '.[test]', not $version: pip replaced it" >&2 && exit 1 ;;
 esac
 export PYTHONPATH=$PWD  # this checkout, as installed
+failed=0
 "$py" -m pytest -q -p no:cacheprovider tests/test_torch_range.py tests/test_private_apis.py tests/test_parity.py \
-    tests/test_llama.py tests/test_grad_parity.py tests/test_checkpoint.py tests/test_tied_pipeline.py tests/test_memory.py
+    tests/test_llama.py tests/test_grad_parity.py tests/test_checkpoint.py tests/test_tied_pipeline.py tests/test_memory.py ||
+    failed=1
 run_dir=$(mktemp -d)
 "$py" -m rayhybrid +debug=fast +topology=pp2 train.steps=3 metrics.memory=true "hydra.run.dir=$run_dir/run"
 "$py" - "$run_dir/run" <<'PY'
@@ -37,4 +39,8 @@ assert "peak_mb" in (run / "metrics.jsonl").read_text() and "metrics.memory is o
 print(f"check_torch: the CLI run trained {summary['steps']} steps on pp2, metrics.memory on")
 PY
 rm -rf "$run_dir"
+if [ "$failed" = 1 ]; then
+    echo "check_torch: torch $installed: the CLI run passed, some tests failed (above)" >&2
+    exit 1
+fi
 echo "check_torch: torch $installed passed"
