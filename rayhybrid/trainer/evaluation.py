@@ -45,7 +45,8 @@ class Evaluation:
             for batch, key in enumerate(keys):
                 inputs = targets = None
                 if trainer.has_first or trainer.has_last:
-                    inputs, targets = feed.take(key, keys[batch + 1 : batch + 1 + cfg.data.read_ahead])
+                    inputs, targets = feed.take(key)
+                    feed.ahead(keys[batch + 1 : batch + 1 + cfg.data.read_ahead])
                 with trainer.step_context():
                     total += trainer.forward_only(inputs, targets)
         finally:

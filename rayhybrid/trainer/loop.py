@@ -237,8 +237,9 @@ class Trainer:
             for ahead in range(1, d.read_ahead + 1)
         ]
         waited = time.perf_counter()
-        inputs, targets = self.feed.take((shard.start, shard.count), [(s.start, s.count) for s in following])
+        inputs, targets = self.feed.take((shard.start, shard.count))
         self.data_wait_s = time.perf_counter() - waited
+        self.feed.ahead([(s.start, s.count) for s in following])
         self.samples_read = [shard.start, shard.count]
         if d.trace:
             self.data_read = trace_rows(self.stream, self.step + 1, shard)
