@@ -52,7 +52,8 @@ class DeviceFeed:
         for k in [k for k in self.staged if k not in upcoming]:
             del self.staged[k]
         for k in upcoming:
-            self.stream.prefetch(*k)
+            if k not in self.staged:
+                self.stream.prefetch(*k)
         if upcoming and self.cuda and upcoming[0] not in self.staged and self.stream.ready(*upcoming[0]):
             self.staged[upcoming[0]] = self._to_device(self.stream.take(*upcoming[0]))
 
