@@ -125,7 +125,7 @@ class DataConfig:
     cache_dir: str = ""
     """prepared: keep what each node read on its disk here (shared by the node's ranks); empty: none."""
     read_ahead: int = 2
-    """prepared: steps of samples read in the background ahead of training; 0: read when needed."""
+    """Every kind: steps of samples read in the background ahead of training; 0: read when needed."""
     trace: bool = False
     """Write what each rank read (step, sample, dataset, epoch, start) to the run's data_trace/."""
     token_dtype: str = "uint16"

@@ -12,7 +12,8 @@ what was read on the node's disk, in aligned chunks of the dataset's token strea
 shards, which another prepare of the same data cuts elsewhere), each written whole (a temporary
 file renamed) and used only at its full size, so ranks of one node share it safely and a later
 epoch or a restarted rank reads it locally.
-`data.read_ahead` steps are fetched by a background thread while the current step trains.
+`data.read_ahead` steps are fetched by a background thread while the current step trains, as
+for every kind of data (`SampleStream.prefetch`).
 
 Where each sample comes from is rayhybrid/data/packing.py's; this module only reads.
 """
@@ -21,10 +22,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
-import torch
 
 from rayhybrid.config.schema import DataConfig
 from rayhybrid.data.identity import prepared_identity
@@ -47,9 +46,6 @@ class PreparedStream(SampleStream):
         self.parts, self.names, self.seq_len, self.key = parts, names, cfg.seq_len, key
         self.mixture = Mixture(weights)
         self.cache_dir = os.path.expanduser(cfg.cache_dir) if cfg.cache_dir else ""
-        self.read_ahead = cfg.read_ahead
-        self._pool: ThreadPoolExecutor | None = None
-        self._ahead: dict[tuple[int, int], Future] = {}
 
     @classmethod
     def open(cls, cfg: DataConfig, seed: int) -> PreparedStream:
@@ -89,28 +85,9 @@ class PreparedStream(SampleStream):
         d, epoch, start = self.locate(index)
         return self.names[d], epoch, start
 
-    def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples [start, start + count): from the read-ahead when it has them, else read now."""
-        future = self._ahead.pop((start, count), None)
-        rows = future.result() if future is not None else self._read(range(start, start + count))
-        data = torch.from_numpy(np.stack(rows))
-        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
-
-    def prefetch(self, start: int, count: int) -> None:
-        """Start reading samples [start, start + count) in the background (data.read_ahead)."""
-        if self.read_ahead <= 0 or (start, count) in self._ahead:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayhybrid-read-ahead")
-        while len(self._ahead) >= self.read_ahead + 1:  # not taken: a step was redone or skipped
-            self._ahead.pop(next(iter(self._ahead)))
-        self._ahead[(start, count)] = self._pool.submit(self._read, range(start, start + count))
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-        self._ahead.clear()
+    def rows(self, start: int, count: int) -> np.ndarray:
+        """Samples [start, start + count), read with one batch of ranged reads per dataset."""
+        return np.stack(self._read(range(start, start + count)))
 
     def _read(self, indices) -> list[np.ndarray]:
         """The token windows of `indices`, read with one batch of ranged reads per dataset."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from rayhybrid.config.schema import DataConfig
+from rayhybrid.data.chain import successors, walk
 from rayhybrid.data.reader import PreparedStream
 from rayhybrid.data.samples import SampleStream
 from rayhybrid.data.seeds import HELD_OUT
@@ -41,7 +42,7 @@ class MarkovStream(SampleStream):
         self.seed = seed
         self.key: tuple[int, ...] = ()  # (HELD_OUT,): the held-out stream of the same chain
         k = min(branching, vocab_size)
-        self.successors = np.stack([rng.choice(vocab_size, size=k, replace=False) for _ in range(vocab_size)])
+        self.successors = successors(rng, vocab_size, k)  # rng.choice(vocab_size, k, replace=False) per row
         probs = rng.dirichlet(np.ones(k), size=vocab_size)
         self.cdf = np.cumsum(probs, axis=1)
         self.cdf[:, -1] = 1.0
@@ -56,17 +57,14 @@ class MarkovStream(SampleStream):
         reads (sample i of each comes from its own generator)."""
         other = copy.copy(self)
         other.key = (HELD_OUT,)
+        other._pool = other._ahead = None  # its own read-ahead, never the training stream's
         return other
 
-    def sample(self, index: int) -> np.ndarray:
-        u = _rng(self.seed, index, self.key).random(self.seq_len + 1)
-        out = np.empty(self.seq_len + 1, dtype=np.int64)
-        state = int(np.searchsorted(self.stationary_cdf, u[0], side="right"))
-        out[0] = state
-        for t in range(1, self.seq_len + 1):
-            state = int(self.successors[state, np.searchsorted(self.cdf[state], u[t], side="right")])
-            out[t] = state
-        return out
+    def rows(self, start: int, count: int) -> np.ndarray:
+        """Samples [start, start + count), walked side by side (`chain.walk`); sample i's
+        uniforms come from its own generator, seeded by (seed, key, i)."""
+        u = np.array([_rng(self.seed, i, self.key).random(self.seq_len + 1) for i in range(start, start + count)])
+        return walk(u.reshape(count, self.seq_len + 1), self.successors, self.cdf, self.stationary_cdf)
 
 
 def _stationary(successors: np.ndarray, probs: np.ndarray, iters: int = 2000) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rayhybrid.data.feed import DeviceFeed
 from rayhybrid.data.streams import build_held_out, replica_shard
 
 
@@ -34,18 +35,23 @@ class Evaluation:
         meter, trainer.memory = trainer.memory, None  # what evaluation holds is not a training step's
         trainer.timeline.begin_step(record=False)  # nor its spans (a traced step's are handed out)
         global_batch = cfg.train.global_batch_size
+        shards = [
+            replica_shard(b * global_batch, global_batch, t.dp, trainer.coord.dp) for b in range(cfg.eval.batches)
+        ]
+        keys = [(s.start, s.count) for s in shards]
+        feed = DeviceFeed(self.held_out, trainer.device)  # read ahead as training is, and closed after
         total = torch.zeros((), device=trainer.device)
         try:
-            for batch in range(cfg.eval.batches):
-                shard = replica_shard(batch * global_batch, global_batch, t.dp, trainer.coord.dp)
+            for batch, key in enumerate(keys):
                 inputs = targets = None
                 if trainer.has_first or trainer.has_last:
-                    inputs, targets = self.held_out.batch(shard.start, shard.count)
-                    inputs, targets = inputs.to(trainer.device), targets.to(trainer.device)
+                    inputs, targets = feed.take(key)
+                    feed.ahead(keys[batch + 1 : batch + 1 + cfg.data.read_ahead])
                 with trainer.step_context():
                     total += trainer.forward_only(inputs, targets)
         finally:
             trainer.memory = meter
+            feed.close()
         loss = trainer.global_loss(total) / cfg.eval.batches
         self.val_loss = (trainer.step, loss)
         return loss

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
+from rayhybrid.data.feed import DeviceFeed
 from rayhybrid.data.streams import build_stream, replica_shard, trace_rows
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
@@ -58,6 +59,7 @@ class Trainer:
         self.world_group = dist.new_group()
         self.checkpoints = Checkpoints(self)  # saves, the ones that ended, restores
         self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
+        self.feed = DeviceFeed(self.stream, device)  # its batches on the device, read ahead
         self.evaluation = Evaluation()  # the held-out stream, built on first use, and val_loss
         self.n_microbatches = self.layout.num_microbatches
         self.replica_tokens = self.layout.replica_batch_size * cfg.data.seq_len
@@ -222,20 +224,22 @@ class Trainer:
         self.data_wait_s, self.data_read = 0.0, None
         if self.has_first or self.has_last:
             inputs, targets = self.read(shard)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
         with self.step_context():
             return self.passes.forward_backward(inputs, targets)
 
     def read(self, shard) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's samples of the step (timed: `data_wait_s`), the next steps' read
-        ahead in the background (data.read_ahead), and with data.trace what was read."""
+        """This replica's samples of the step on the device (timed: `data_wait_s`), the next
+        data.read_ahead steps' read in the background meanwhile (`DeviceFeed`), and with
+        data.trace what was read."""
         d, t, global_batch = self.cfg.data, self.cfg.topology, self.cfg.train.global_batch_size
+        following = [
+            replica_shard(self.consumed_samples + ahead * global_batch, global_batch, t.dp, self.coord.dp)
+            for ahead in range(1, d.read_ahead + 1)
+        ]
         waited = time.perf_counter()
-        inputs, targets = self.stream.batch(shard.start, shard.count)
+        inputs, targets = self.feed.take((shard.start, shard.count))
         self.data_wait_s = time.perf_counter() - waited
-        for ahead in range(1, d.read_ahead + 1):
-            following = replica_shard(self.consumed_samples + ahead * global_batch, global_batch, t.dp, self.coord.dp)
-            self.stream.prefetch(following.start, following.count)
+        self.feed.ahead([(s.start, s.count) for s in following])
         self.samples_read = [shard.start, shard.count]
         if d.trace:
             self.data_read = trace_rows(self.stream, self.step + 1, shard)

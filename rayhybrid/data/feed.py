@@ -1,0 +1,69 @@
+"""A stream's batches on the rank's device, ready before the step asks (docs/data.md, "Read
+ahead"):
+
+    feed = DeviceFeed(stream, device)
+    inputs, targets = feed.take((start, count))       # samples [start, start + count) on the device
+    feed.ahead([(next_start, count), ...])            # the next steps', read in the background
+
+`take` hands out a batch as (inputs, targets) on the device; `ahead` has the stream read the
+next ones in its background thread (`SampleStream.prefetch`), dropping whatever else it had
+read ahead (a position that jumped: restore, heal, resize). On CUDA the host
+tensors are page-locked and copied with non_blocking=True on a copy stream of their own; the
+next batch's copy is issued as soon as it is read, so it overlaps this step's work, and the
+compute stream waits for it only when it uses it. On a CPU nothing is pinned or copied: the
+batch is the very tensor the stream read, and results are those of reading it directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayhybrid.data.samples import SampleStream
+
+Key = tuple[int, int]
+
+
+class DeviceFeed:
+    """`stream`'s batches on `device`, the next one copied there ahead (CUDA)."""
+
+    def __init__(self, stream: SampleStream, device: torch.device) -> None:
+        self.stream, self.device = stream, device
+        self.cuda = device.type == "cuda"
+        stream.pin_memory = self.cuda
+        self.copies = torch.cuda.Stream(device) if self.cuda else None
+        self.staged: dict[Key, torch.Tensor] = {}  # batches copied (or being copied) to the device
+
+    def take(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch `key` as (inputs, targets) on the device: copied there ahead, else read ahead,
+        else read now."""
+        data = self.staged.pop(key, None)
+        if data is None:
+            data = self._to_device(self.stream.take(*key))
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.copies)
+            data.record_stream(current)  # allocated on the copy stream, used on this one
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    def ahead(self, upcoming: list[Key]) -> None:
+        """Read `upcoming` in the background, drop whatever else was read or copied ahead, and
+        on CUDA start copying the first of them to the device if it is read already."""
+        self.stream.keep(upcoming)
+        for k in [k for k in self.staged if k not in upcoming]:
+            del self.staged[k]
+        for k in upcoming:
+            if k not in self.staged:
+                self.stream.prefetch(*k)
+        if upcoming and self.cuda and upcoming[0] not in self.staged and self.stream.ready(*upcoming[0]):
+            self.staged[upcoming[0]] = self._to_device(self.stream.take(*upcoming[0]))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return host
+        with torch.cuda.stream(self.copies):
+            return host.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        """Stop the stream's reading ahead and drop what was copied ahead."""
+        self.staged.clear()
+        self.stream.close()
