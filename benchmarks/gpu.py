@@ -29,6 +29,7 @@ rest the card probe and the runs' first points past it); a first run also fills 
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import subprocess
 import time
@@ -99,15 +100,16 @@ def measure(tmp: Path, card: dict, shape: list[str], points, runs, budget_s: flo
     }
     deadline = time.perf_counter() + budget_s
     for i, (label, extra) in enumerate(runs):
-        share = max(0.0, deadline - time.perf_counter()) / (len(runs) - i)
-        if share <= 0:
+        left = deadline - time.perf_counter()
+        share = left / (len(runs) - i)
+        if left < 20:
             out["runs"][label] = {"extra": extra, "error": "not run: the measuring budget was spent"}
             continue
         try:
             if label.startswith("loop"):
                 result = _loop(shape, extra, points, warmup, steps, share)
             else:
-                result = _rayhybrid(tmp, label, shape + extra, points, warmup, steps, share, card)
+                result = rayhybrid_sweep(tmp, label, shape + extra, points, warmup, steps, share, card)
         except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
             result = {"error": f"{type(err).__name__}: {err}"[-1500:]}
         out["runs"][label] = {"extra": extra, **result}
@@ -117,7 +119,7 @@ def measure(tmp: Path, card: dict, shape: list[str], points, runs, budget_s: flo
 def _loop(shape, extra, points, warmup, steps, budget_s) -> dict:
     args = [*shape, *extra, "--micro-batches", ",".join(map(str, points))]
     args += ["--warmup", str(warmup), "--steps", str(steps), "--budget-s", f"{budget_s:.0f}"]
-    r = common.baseline("hf_loop.py", args)
+    r = common.baseline("hf_loop.py", args, timeout=max(180.0, budget_s + 180))
     first = r["points"][0].get("first_step_wall")
     phases = {
         "process_and_imports": r["imports_done_wall"] - r["launched_wall"],
@@ -134,7 +136,9 @@ def _loop(shape, extra, points, warmup, steps, budget_s) -> dict:
     }
 
 
-def _rayhybrid(tmp, label, overrides, points, warmup, steps, budget_s, card) -> dict:
+def rayhybrid_sweep(tmp, label, overrides, points, warmup, steps, budget_s, card) -> dict:
+    """`hf_loop.sweep` over rayhybrid runs (`rayhybrid_point`), predicting out-of-memory from the
+    card's `memory_mb`."""
     slug = "".join(c if c.isalnum() else "-" for c in label)
     capacity = card.get("memory_mb")
     timeout = max(120.0, budget_s + 60)  # for a run that hangs: it must not take the others' time
@@ -158,9 +162,7 @@ def rayhybrid_point(run_dir: Path, overrides: list[str], mb: int, warmup: int, s
         run.wait_for_step(1, timeout)
         summary = run.finish(timeout)
     except (RuntimeError, TimeoutError) as err:
-        if run.proc.poll() is None:
-            run.proc.kill()
-            run.proc.wait()
+        _stop(run.proc)
         summary_path = run_dir / "summary.json"
         said = str(err) + (summary_path.read_text() if summary_path.exists() else "")
         wall = time.perf_counter() - start
@@ -184,6 +186,18 @@ def rayhybrid_point(run_dir: Path, overrides: list[str], mb: int, warmup: int, s
         "first_step_watched_s": run.first_step_s,
         "wall_s": time.perf_counter() - start,
     }
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a run that hangs: Ctrl-C first (the driver then stops its Ray and workers, which
+    hold the GPU's memory), killed if it is still there 30 s later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _seq_len(overrides: list[str]) -> int:

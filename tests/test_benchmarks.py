@@ -332,6 +332,20 @@ def test_the_gpu_sweep_climbs_to_out_of_memory_halves_below_and_keeps_to_its_bud
     assert tried == [8, 12] and done[-1]["error"] == "RuntimeError: boom"
 
 
+def test_the_hf_loop_tells_out_of_memory_from_other_errors():
+    import torch
+
+    assert hf_loop.out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    try:  # torch.compile's errors wrap the one that ran out
+        try:
+            raise torch.OutOfMemoryError("Tried to allocate")
+        except torch.OutOfMemoryError as err:
+            raise RuntimeError("backend compiler failed") from err
+    except RuntimeError as err:
+        assert hf_loop.out_of_memory(err)
+    assert not hf_loop.out_of_memory(RuntimeError("shape mismatch"))
+
+
 def _hf_loop(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(BENCH / "baselines" / "hf_loop.py"), *args],
@@ -371,7 +385,8 @@ def test_the_hf_loop_trains_a_tiny_llama_on_cpu_and_prints_its_json():
 def test_the_gpu_section_renders_from_a_real_tiny_cpu_run(tmp_path):
     """gpu.measure on CPU with a tiny Llama: the loop eager and compiled (torch.compile's eager
     backend, which compiles nothing: quick on CPU) and one rayhybrid run; the section shows their
-    figures as measured, their ratio and MFU by the peak that metrics.peak_tflops gives."""
+    figures as measured, their ratio and MFU by the peak that metrics.peak_tflops gives. Then a
+    rayhybrid sweep that runs out of memory."""
     card = {"name": "cpu (test)", "capability": [0, 0], "memory_mb": 1024.0, "torch": "cpu", "cuda": None}
     shape = ["model=llama3_debug", "data.seq_len=32", "train.dtype=bfloat16", "metrics.peak_tflops=0.001"]
     runs = [
@@ -400,6 +415,15 @@ def test_the_gpu_section_renders_from_a_real_tiny_cpu_run(tmp_path):
     (line,) = report.table({"gpu": r}).splitlines()
     assert line.startswith("gpu") and f"rayhybrid / compiled loop {ratio:.2f}x" in line
     json.dumps(r)
+
+    # Out of memory ends a rayhybrid run the sweep then halves: on CPU, tune.memory_budget_mb
+    # plays a device just over what micro-batch 2 needed.
+    budget = [f"tune.memory_budget_mb={ours['peak_mb'] * 1.05:.3f}"]
+    swept = gpu.rayhybrid_sweep(tmp_path, "rayhybrid", shape + budget, (4,), 1, 2, 300.0, card)["points"]
+    assert [(p["micro_batch"], p["oom"]) for p in swept] == [(4, True), (2, False)], swept
+    assert swept[1]["peak_mb"] == ours["peak_mb"]
+    r["runs"]["rayhybrid"]["points"] = swept
+    assert "| rayhybrid | 4 |  |  |  | out of memory |" in gpu.section(r)
 
 
 def test_without_cuda_run_py_skips_the_gpu_benchmark_and_keeps_its_section(tmp_path):

@@ -81,6 +81,17 @@ def _skip_reason(done, nxt, elapsed, budget_s, capacity_mb):
     return None
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err`, or an error behind it, is running out of device memory."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err).lower():
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--micro-batches", default="8,12,16", help="micro-batch sizes, the first tried first")
@@ -163,7 +174,9 @@ class Loop:
                 self.step(inputs, targets)
                 times.append(time.perf_counter() - t0)
                 first_wall = first_wall or time.time()
-        except torch.OutOfMemoryError:
+        except RuntimeError as err:  # torch.OutOfMemoryError, or an error of torch.compile's around one
+            if not out_of_memory(err):
+                raise
             oom = True
         # Outside the handler: the traceback's frames (and their tensors) are gone.
         tokens = inputs = targets = None
