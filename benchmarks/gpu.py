@@ -352,23 +352,20 @@ def _sweep_table(r: dict) -> str:
 def _startup_lines(r: dict) -> str:
     lines = []
     for label, run in r["runs"].items():
-        seconds, phases = _startup(run, best(run))
+        point = best(run)
+        seconds, phases = _startup(run, point)
         if seconds is None:
             continue
-        where = (
-            f"micro-batch {run['startup_point']}"
-            if "startup_point" in run
-            else f"micro-batch {best(run)['micro_batch']}"
-        )
+        where = f"micro-batch {run.get('startup_point') or point['micro_batch']}"
         said = ", ".join(f"{k.replace('_', ' ')} {fmt(v, 1)}" for k, v in (phases or {}).items() if v is not None)
-        lines.append(f"- {label} ({where}): {fmt(seconds, 1)} s" + (f": {said}" if said else ""))
+        watched = (point or {}).get("first_step_watched_s") if "startup_point" not in run else None
+        line = f"- {label} ({where}): {fmt(seconds, 1)} s" + (f": {said}" if said else "")
+        lines.append(line + (f" ({watched:.1f} s from the command to its first step's record)" if watched else ""))
     if not lines:
         return ""
     return (
-        "Start-up to the first step, by phase (rayhybrid: summary.json's `startup` when the run writes it, else "
-        "the time from the command to the first step's record; the loop: from its command):\n\n"
-        + "\n".join(lines)
-        + "\n\n"
+        "Start-up to the first step, by phase (rayhybrid: summary.json's `startup_s` and `startup` phases where "
+        "the run writes them; the loop: from its command):\n\n" + "\n".join(lines) + "\n\n"
     )
 
 
