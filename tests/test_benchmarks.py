@@ -360,7 +360,9 @@ def _hf_loop(*args: str) -> subprocess.CompletedProcess:
 def test_the_hf_loop_trains_a_tiny_llama_on_cpu_and_prints_its_json():
     """benchmarks/baselines/hf_loop.py on CPU: LlamaForCausalLM of rayhybrid's llama3_debug shape,
     two micro-batch sizes, its JSON on the last line; a model it cannot build is refused in one line."""
-    proc = _hf_loop("model=llama3_debug", "data.seq_len=32", "train.dtype=bfloat16", "--micro-batches", "2,4")
+    proc = _hf_loop(
+        "model=llama3_debug", "data.seq_len=32", "train.dtype=bfloat16", "--micro-batches", "2,4", "--device", "cpu"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     from rayhybrid.models.registry import get_spec
@@ -389,9 +391,10 @@ def test_the_gpu_section_renders_from_a_real_tiny_cpu_run(tmp_path):
     rayhybrid sweep that runs out of memory."""
     card = {"name": "cpu (test)", "capability": [0, 0], "memory_mb": 1024.0, "torch": "cpu", "cuda": None}
     shape = ["model=llama3_debug", "data.seq_len=32", "train.dtype=bfloat16", "metrics.peak_tflops=0.001"]
+    shape += ["cluster.use_gpu=false"]  # CPU also where there is a GPU
     runs = [
-        ("loop, eager", []),
-        ("loop, compiled", ["--compile", "--compile-backend", "eager"]),
+        ("loop, eager", ["--device", "cpu"]),
+        ("loop, compiled", ["--device", "cpu", "--compile", "--compile-backend", "eager"]),
         ("rayhybrid", []),
     ]
     r = gpu.measure(tmp_path, card, shape, (2,), runs, budget_s=300, warmup=1, steps=2)
