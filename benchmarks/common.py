@@ -136,7 +136,13 @@ def baselines_at_once(jobs: list[tuple[str, list[str], list[str] | None]], timeo
         )
     results = []
     for cmd, launched, proc in procs:
-        out, err = proc.communicate(timeout=timeout)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for _, _, p in procs:  # none outlives the benchmark (a GPU's memory, the cores)
+                p.kill()
+                p.wait()
+            raise
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{out[-2000:]}\n{err[-3000:]}")
         result = json.loads([line for line in out.splitlines() if line.strip().startswith("{")][-1])

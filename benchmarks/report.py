@@ -23,11 +23,11 @@ KEPT_HEADING = "## Figures from development runs"
 rayhybrid was developed): a rerun keeps it as it is."""
 
 
-def kept_section(previous: str) -> str:
-    """The KEPT_HEADING section of `previous` (an earlier BENCHMARKS.md), verbatim from its
+def kept_section(previous: str, heading: str = KEPT_HEADING) -> str:
+    """The `heading` section of `previous` (an earlier BENCHMARKS.md), verbatim from its
     heading to the next "## " heading or the end; "" when it has none."""
     lines = previous.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == KEPT_HEADING), None)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
     if start is None:
         return ""
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
@@ -35,9 +35,20 @@ def kept_section(previous: str) -> str:
 
 
 def markdown(results: dict, previous: str = "") -> str:
-    """BENCHMARKS.md: a section per benchmark in `results`, then the kept section of `previous`."""
-    sections = "".join(BENCHMARKS[name].section(results[name]) for name in BENCHMARKS if name in results)
+    """BENCHMARKS.md: a section per benchmark in `results`, then the kept section of `previous`.
+    A benchmark that only some machines can run (one with a `HEADING` and `unmeasured()`: the
+    GPU's) and that `results` lacks keeps its section of `previous`, else says it is unmeasured."""
+    sections = "".join(_section(name, results, previous) for name in BENCHMARKS)
     return INTRO + "\n" + sections + kept_section(previous)
+
+
+def _section(name: str, results: dict, previous: str) -> str:
+    module = BENCHMARKS[name]
+    if name in results:
+        return module.section(results[name])
+    if hasattr(module, "unmeasured"):
+        return kept_section(previous, module.HEADING) or module.unmeasured()
+    return ""
 
 
 def write(path: Path, results: dict) -> None:

@@ -1,9 +1,12 @@
 """benchmarks/ (not run here: they take minutes): the Lightning-style baseline search, the
-checkpoint statistics, the report's sections from a results file, and run.py's argument errors."""
+checkpoint statistics, the report's sections from a results file, and run.py's argument errors;
+the GPU benchmark's pieces on CPU (its loop, its sweep, its section from a tiny real run, and
+its skip where there is no CUDA)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +18,9 @@ sys.path.insert(0, str(BENCH))
 
 import batch_search
 import checkpoints
+import gpu
 import report
+from baselines import hf_loop
 
 
 @pytest.mark.parametrize("largest", [1, 2, 3, 9, 16, 17, 100])
@@ -287,3 +292,164 @@ def test_losses_compares_per_step_losses_bit_for_bit(tmp_path, capsys):
     (tmp_path / "b" / "extra").mkdir()
     (tmp_path / "b" / "extra" / "metrics.jsonl").write_text("")
     assert losses.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+
+
+def _fake_points(fits_up_to: int, peak=lambda mb: 1000.0 + 100.0 * mb, error_at: int = 0):
+    """A `measure` for hf_loop.sweep: sizes above `fits_up_to` run out of memory; each point
+    takes 10 s of a fake clock."""
+    tried, now = [], [0.0]
+
+    def measure(mb):
+        tried.append(mb)
+        now[0] += 10.0
+        if mb == error_at:
+            return {"error": "RuntimeError: boom", "wall_s": 10.0}
+        return {"oom": mb > fits_up_to, "wall_s": 10.0, "peak_mb": None if mb > fits_up_to else peak(mb)}
+
+    return tried, measure, lambda: now[0]
+
+
+def test_the_gpu_sweep_climbs_to_out_of_memory_halves_below_and_keeps_to_its_budget():
+    tried, measure, clock = _fake_points(12)
+    done = hf_loop.sweep([8, 12, 16], measure, clock=clock)
+    assert tried == [8, 12, 16] and [d.get("oom") for d in done] == [False, False, True]
+    tried, measure, clock = _fake_points(3)  # 8 does not fit: halves until one does, then stops
+    hf_loop.sweep([8, 12, 16], measure, clock=clock)
+    assert tried == [8, 4, 2]
+    tried, measure, clock = _fake_points(0)
+    assert [d["micro_batch"] for d in hf_loop.sweep([4, 8], measure, clock=clock)] == [4, 2, 1]
+    tried, measure, clock = _fake_points(64)  # 8 fits, 12 would end past the budget
+    done = hf_loop.sweep([8, 12, 16], measure, budget_s=15.0, clock=clock)
+    assert tried == [8] and done[-1]["micro_batch"] == 12 and done[-1]["skipped"].startswith("time budget (15 s")
+    tried, measure, clock = _fake_points(64)  # peaks 1800, 2200 MB at 8, 12: 16 would need 2600
+    done = hf_loop.sweep([8, 12, 16], measure, capacity_mb=2500.0, clock=clock)
+    assert tried == [8, 12] and done[-1] == {
+        "micro_batch": 16,
+        "skipped": "predicted out of memory (2,600 MB of 2,500)",
+    }
+    tried, measure, clock = _fake_points(64, error_at=12)  # a failure is not out of memory: no more sizes
+    done = hf_loop.sweep([8, 12, 16], measure, clock=clock)
+    assert tried == [8, 12] and done[-1]["error"] == "RuntimeError: boom"
+
+
+def test_the_hf_loop_tells_out_of_memory_from_other_errors():
+    import torch
+
+    assert hf_loop.out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    try:  # torch.compile's errors wrap the one that ran out
+        try:
+            raise torch.OutOfMemoryError("Tried to allocate")
+        except torch.OutOfMemoryError as err:
+            raise RuntimeError("backend compiler failed") from err
+    except RuntimeError as err:
+        assert hf_loop.out_of_memory(err)
+    assert not hf_loop.out_of_memory(RuntimeError("shape mismatch"))
+
+
+def _hf_loop(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "baselines" / "hf_loop.py"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(BENCH.parent), "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+
+
+def test_the_hf_loop_trains_a_tiny_llama_on_cpu_and_prints_its_json():
+    """benchmarks/baselines/hf_loop.py on CPU: LlamaForCausalLM of rayhybrid's llama3_debug shape,
+    two micro-batch sizes, its JSON on the last line; a model it cannot build is refused in one line."""
+    proc = _hf_loop(
+        "model=llama3_debug", "data.seq_len=32", "train.dtype=bfloat16", "--micro-batches", "2,4", "--device", "cpu"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    from rayhybrid.models.registry import get_spec
+    from rayhybrid.preflight import load_config
+
+    cfg = load_config(["model=llama3_debug", "data.seq_len=32"])
+    spec = get_spec(cfg.model)
+    assert r["device"] == "cpu" and r["compile"] is False and r["dtype"] == "bfloat16" and r["seq_len"] == 32
+    assert r["flops_per_token"] == spec.flops_per_token(cfg.model, 32)
+    assert r["params"] == spec.num_params(cfg.model, 32)  # the same shape as rayhybrid's model
+    assert [p["micro_batch"] for p in r["points"]] == [2, 4]
+    for p in r["points"]:
+        assert not p["oom"] and len(p["step_times_s"]) == r["warmup"] + 5 and p["peak_mb"] is None
+        measured = p["step_times_s"][r["warmup"] :]
+        assert p["tokens_per_s"] == pytest.approx(p["micro_batch"] * 32 * 5 / sum(measured), rel=1e-3)
+    assert r["start_wall"] < r["imports_done_wall"] < r["built_wall"] < r["points"][0]["first_step_wall"]
+
+    bad = _hf_loop("model=gpt_tiny", "--micro-batches", "2")
+    assert bad.returncode == 2 and "pass a llama3 model" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_gpu_section_renders_from_a_real_tiny_cpu_run(tmp_path):
+    """gpu.measure on CPU with a tiny Llama: the loop eager and compiled (torch.compile's eager
+    backend, which compiles nothing: quick on CPU) and one rayhybrid run; the section shows their
+    figures as measured, their ratio and MFU by the peak that metrics.peak_tflops gives. Then a
+    rayhybrid sweep that runs out of memory."""
+    card = {"name": "cpu (test)", "capability": [0, 0], "memory_mb": 1024.0, "torch": "cpu", "cuda": None}
+    shape = ["model=llama3_debug", "data.seq_len=32", "train.dtype=bfloat16", "metrics.peak_tflops=0.001"]
+    shape += ["cluster.use_gpu=false"]  # CPU also where there is a GPU
+    runs = [
+        ("loop, eager", ["--device", "cpu"]),
+        ("loop, compiled", ["--device", "cpu", "--compile", "--compile-backend", "eager"]),
+        ("rayhybrid", []),
+    ]
+    r = gpu.measure(tmp_path, card, shape, (2,), runs, budget_s=300, warmup=1, steps=2)
+    r |= {"seconds": 30.0, "command": "pytest", "date": "d", "machine": "x"}
+    assert [p["micro_batch"] for p in r["runs"]["rayhybrid"]["points"]] == [2], r["runs"]["rayhybrid"]
+    ours, loop = gpu.best(r["runs"]["rayhybrid"]), gpu.best(r["runs"]["loop, compiled"])
+    assert r["peak_tflops"] == 0.001  # rayhybrid's own rule: metrics.peak_tflops over its table
+    md = gpu.section(r)
+    assert md.startswith(gpu.HEADING) and "Card: **cpu (test)**" in md and "Command: `pytest` (d, x, 30.0 s)" in md
+    ratio = ours["tokens_per_s"] / loop["tokens_per_s"]
+    mfu = r["flops_per_token"] * ours["tokens_per_s"] / 1e9
+    startup = ours["startup_s"] or ours["first_step_watched_s"]
+    assert gpu.mfu(r, ours) == pytest.approx(mfu)
+    row = f"| rayhybrid | 2 | {ours['tokens_per_s']:,.0f} | {ratio:.2f}x | {mfu:.1%} | {ours['peak_mb']:.1f} MB | {startup:.1f} |"
+    assert row in md
+    assert f"| loop, compiled (backend eager) | 2 | {loop['tokens_per_s']:,.0f} | 1.00x |" in md
+    verdict = "met" if ratio >= 1.15 else "not met"
+    assert f"tokens/s at least 1.15x the compiled loop's: **{ratio:.2f}x (rayhybrid)**, {verdict}" in md
+    assert f"start-up at most 12 s: **{startup:.1f} s (`rayhybrid`)**" in md
+    assert "- loop, eager (micro-batch 2): " in md and "process and imports" in md
+    (line,) = report.table({"gpu": r}).splitlines()
+    assert line.startswith("gpu") and f"rayhybrid / compiled loop {ratio:.2f}x" in line
+    json.dumps(r)
+
+    # Out of memory ends a rayhybrid run the sweep then halves: on CPU, tune.memory_budget_mb
+    # plays a device just over what micro-batch 2 needed.
+    budget = [f"tune.memory_budget_mb={ours['peak_mb'] * 1.05:.3f}"]
+    swept = gpu.rayhybrid_sweep(tmp_path, "rayhybrid", shape + budget, (4,), 1, 2, 300.0, card)["points"]
+    assert [(p["micro_batch"], p["oom"]) for p in swept] == [(4, True), (2, False)], swept
+    assert swept[1]["peak_mb"] == ours["peak_mb"]
+    r["runs"]["rayhybrid"]["points"] = swept
+    assert "| rayhybrid | 4 |  |  |  | out of memory |" in gpu.section(r)
+
+
+def test_without_cuda_run_py_skips_the_gpu_benchmark_and_keeps_its_section(tmp_path):
+    """No CUDA (hidden here, as on this CPU machine): one line says so, results.json gains
+    nothing and BENCHMARKS.md's GPU section stays as it was; a file without one says it is not
+    yet measured, and recorded results write it."""
+    measured = f"{gpu.HEADING}\n\nFigures of an earlier GPU run.\n\n"
+    out, results = tmp_path / "BENCHMARKS.md", tmp_path / "results.json"
+    out.write_text(report.INTRO + "\n" + measured + report.KEPT_HEADING + "\n\nby hand\n")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--only", "gpu", "--out", str(out), "--results", str(results)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    skipped = [line for line in proc.stdout.splitlines() if "skipped" in line]
+    said = "gpu: skipped, no CUDA device here (torch.cuda.is_available() is false); BENCHMARKS.md keeps its section"
+    assert skipped == [said + " as it was"]
+    assert not results.exists()
+    text = out.read_text()
+    assert measured in text and text.count(gpu.HEADING) == 1 and text.endswith("by hand\n")
+    assert "Not yet measured on a GPU" in report.markdown({})
+    assert "Not yet measured" not in report.markdown({}, text)
