@@ -161,9 +161,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block on its own (regional compilation, inductor), after
     tensor parallelism and activation checkpointing, before FSDP2 (rayhybrid/parallel/compile.py).
-    The first step pays the compile; its artifacts are cached on the node (TORCHINDUCTOR_CACHE_DIR,
-    else <tmp>/torchinductor_<user>), so the next process there loads them. Off by default: see
-    docs/configuration.md for the measured trade."""
+    The first step pays the compile; its artifacts are cached on the node
+    ($TORCHINDUCTOR_CACHE_DIR/rayhybrid, else /tmp/torchinductor_<user>/rayhybrid), so the next
+    process there loads them. Off by default: docs/configuration.md has the measured trade."""
     log_every: int = 1
 
 
