@@ -3,12 +3,14 @@ compiled artifacts kept where the next process on the node finds them.
 
     compile_blocks(blocks)   # after the TP plan and activation checkpointing, before FSDP2
 
-A block's `forward` becomes `torch.compile(block.forward)`, in place: its parameters keep their
-names (checkpoints, the optimizer and the Hugging Face adapter read them by name), and the
-hooks of its module (FSDP2's all-gather and reshard, added after) run around the compiled code
-as they do around a block torchtitan compiles. What the block holds, float8 linears and
-DTensor plans included, is traced with it; `torch.utils.checkpoint` inside it (activation
-checkpointing) is traced as the region to recompute. The blocks of a stage share one graph
+A block's `forward` becomes `torch.compile(block.forward)`, in place (a `CheckpointedBlock`'s
+`block_forward`, so that activation checkpointing recomputes the compiled code from outside it:
+torch 2.13 could not trace the checkpoint around DTensor plans, "expected all
+tensors_saved_with_vc_check to be Tensors ... DeviceMesh"). Its parameters keep their names
+(checkpoints, the optimizer and the Hugging Face adapter read them by name), and the hooks of
+the module (FSDP2's all-gather and reshard, added after) run around the compiled code as they
+do around a block torchtitan compiles. What the block holds, float8 linears and DTensor plans
+included, is traced with it. The blocks of a stage share one graph
 (dynamo treats the block's parameters as inputs), so a stage compiles once, not once a block.
 
 Inductor's FX graph cache and AOTAutograd cache live in one directory per node
