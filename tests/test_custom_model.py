@@ -82,6 +82,8 @@ def test_spec_module_imports_without_torch():
         (["model.options.activation=tanh"], "model.options.activation", "gelu"),
         (["model.options.init_std=-1"], "model.options.init_std", "positive"),
         (["model.options.dropout=0.1"], "model.options.dropout", "unknown option"),
+        # Its SPEC does not say it compiles (ModelSpec.compiles): refused before anything runs.
+        (["train.compile=true"], "train.compile", "does not compile its blocks"),
     ],
 )
 def test_the_examples_validate_gives_one_line_config_errors(overrides, setting, words):

@@ -158,6 +158,12 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 disables clipping."""
     dtype: str = "float32"
     activation_checkpointing: bool = False
+    compile: bool = False
+    """torch.compile each transformer block on its own (regional compilation, inductor), after
+    tensor parallelism and activation checkpointing, before FSDP2 (rayhybrid/parallel/compile.py).
+    The first step pays the compile; its artifacts are cached on the node
+    ($TORCHINDUCTOR_CACHE_DIR/rayhybrid, else /tmp/torchinductor_<user>/rayhybrid), so the next
+    process there loads them. Off by default: docs/configuration.md has the measured trade."""
     log_every: int = 1
 
 

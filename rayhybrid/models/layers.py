@@ -1,6 +1,6 @@
 """Pieces the built-in models share (torch): a block that can checkpoint its activations,
-initialisation by full parameter name, and the activation checkpointing and data parallelism
-that follow a model's tensor-parallel plan."""
+initialisation by full parameter name, and the activation checkpointing, compiled blocks and data
+parallelism that follow a model's tensor-parallel plan."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from rayhybrid.parallel.compile import compile_blocks
 from rayhybrid.parallel.data_parallel import apply_data_parallel
 from rayhybrid.parallel.tied import tied_copies
 
@@ -95,12 +96,16 @@ def checkpoint_and_shard(
     dp_shard: bool,
     activation_checkpointing: bool,
     reshard_after_forward: bool,
+    compile: bool = False,
 ) -> nn.Module:
-    """After the TP plan: activation checkpointing of every block, then data parallelism over
-    the dp mesh (FSDP2 block by block, or replicate)."""
+    """After the TP plan: activation checkpointing of every block, then (`compile`,
+    train.compile) each block compiled on its own, then data parallelism over the dp mesh
+    (FSDP2 block by block, or replicate)."""
     if activation_checkpointing:
         for block in blocks:
             block.checkpoint_activations = True
+    if compile:
+        compile_blocks(blocks)
     if dp_mesh is not None and dp_mesh.size() > 1:
         apply_data_parallel(model, dp_mesh, shard=dp_shard, blocks=blocks, reshard_after_forward=reshard_after_forward)
     return model

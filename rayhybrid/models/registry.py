@@ -76,9 +76,15 @@ def validate_model(cfg) -> None:
     """The model's own checks: its settings (`settings_of`), then its spec's `validate`, after
     Hugging Face's config.json has set the shape (`model.init_from`, see rayhybrid/models/hf.py)."""
     spec = get_spec(cfg.model)
+    chosen = f"model.module={cfg.model.module}" if cfg.model.module else f"model.name={cfg.model.name}"
     if cfg.model.init_from and spec.hf is None:
-        chosen = f"model.module={cfg.model.module}" if cfg.model.module else f"model.name={cfg.model.name}"
         raise ConfigError("model.init_from", f"{chosen} has no Hugging Face adapter (SPEC.hf)")
+    if cfg.train.compile and not spec.compiles:
+        raise ConfigError(
+            "train.compile",
+            f"{chosen} does not compile its blocks (its SPEC has compiles=False; see docs/models.md); "
+            "set train.compile=false",
+        )
     settings_of(cfg.model)
     if spec.validate is not None:
         spec.validate(cfg)

@@ -21,6 +21,11 @@ Contract of the pieces (docs/models.md says it for users):
   and data parallelism (`rayhybrid.parallel.data_parallel.apply_data_parallel`), in that order,
   and returns the module. With `loss_parallel` the last stage leaves its logits sharded over the
   vocabulary (`Shard(-1)`, a DTensor); otherwise they are a plain replicated tensor.
+  A spec with `compiles=True` also takes `compile` (train.compile), passed only when it is
+  true: it compiles each block on its own after activation checkpointing and before data
+  parallelism (`rayhybrid.models.layers.checkpoint_and_shard(..., compile=compile)` does,
+  or `rayhybrid.parallel.compile.compile_blocks`). With `compiles=False` (the default, a
+  spec written before train.compile) train.compile=true stops the run with one line.
 - `num_params(model_cfg, seq_len)` and `flops_per_token(model_cfg, seq_len, attention=True)`:
   plain arithmetic.
 - `validate(cfg)`: raise `rayhybrid.errors.ConfigError` naming the setting and the fix.
@@ -125,6 +130,9 @@ class ModelSpec:
     settings: type | None = None
     """The family's settings dataclass, built from `model.options` by `registry.settings_of`
     (unknown keys and wrong types refused by name); None: `model.options` is free-form."""
+    compiles: bool = False
+    """`parallelize` takes `compile` and compiles each block (train.compile); False:
+    train.compile=true is refused with one line naming the model."""
     loss: Callable[[Any, Any], Any] | None = None
     """The family's own training loss, `loss(logits, targets) -> the SUM over the micro-batch's
     tokens` (a 0-d tensor; the trainer divides by the replica's token count, so micro-batch

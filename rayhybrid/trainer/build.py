@@ -69,7 +69,7 @@ def build_stage(
     loss_parallel: bool,
 ) -> torch.nn.Module:
     """One pipeline stage of the model its spec builds (full parameter names), made on the
-    meta device, materialised here, initialised, then parallelised (TP, AC, dp)."""
+    meta device, materialised here, initialised, then parallelised (TP, AC, compile, dp)."""
     with torch.device("meta"):
         stage = spec.build_stage(
             cfg.model,
@@ -92,6 +92,7 @@ def build_stage(
         activation_checkpointing=cfg.train.activation_checkpointing,
         loss_parallel=loss_parallel,
         reshard_after_forward=cfg.topology.pp == 1,
+        **({"compile": True} if cfg.train.compile else {}),  # only when on: a spec may not take it
     )
 
 

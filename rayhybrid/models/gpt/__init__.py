@@ -34,6 +34,7 @@ SPEC = ModelSpec(
     name="gpt",
     build_stage=build_stage,
     parallelize=parallelize,
+    compiles=True,
     num_params=num_params,
     flops_per_token=flops_per_token,
     validate=validate,

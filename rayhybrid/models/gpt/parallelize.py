@@ -1,7 +1,7 @@
 """Apply tensor parallelism, activation checkpointing and data parallelism to a GPT stage.
 
-Order as in torchtitan: TP first (DTensor plans), then activation checkpointing, then data
-parallelism over the dp mesh. Pipeline splitting happens before and calls this per stage.
+Order as in torchtitan: TP first (DTensor plans), then activation checkpointing, then each
+block compiled on its own (train.compile), then data parallelism over the dp mesh. Pipeline splitting happens before and calls this per stage.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def parallelize_gpt(
     activation_checkpointing: bool,
     loss_parallel: bool,
     reshard_after_forward: bool = True,
+    compile: bool = False,
 ) -> GPT:
     if tp_mesh is not None and tp_mesh.size() > 1:
         parallelize_module(model, tp_mesh, tp_plan(model, loss_parallel=loss_parallel))
@@ -65,4 +66,5 @@ def parallelize_gpt(
         dp_shard=dp_shard,
         activation_checkpointing=activation_checkpointing,
         reshard_after_forward=reshard_after_forward,
+        compile=compile,
     )

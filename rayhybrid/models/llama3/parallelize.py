@@ -1,4 +1,5 @@
-"""Tensor parallelism, activation checkpointing and data parallelism for a Llama stage.
+"""Tensor parallelism, activation checkpointing, compiled blocks (train.compile) and data
+parallelism for a Llama stage.
 
 The DTensor plan is torchtitan's Llama plan without sequence parallelism (norms replicated),
 the same split as rayhybrid's GPT: q/k/v (heads and KV heads per rank) and the MLP's w1 and w3
@@ -57,6 +58,7 @@ def parallelize_llama(
     activation_checkpointing: bool,
     loss_parallel: bool,
     reshard_after_forward: bool = True,
+    compile: bool = False,
 ) -> Llama:
     tied = model.settings.tie_embeddings and model.tok_embeddings is not None and model.output is not None
     if tp_mesh is not None and tp_mesh.size() > 1:
@@ -71,4 +73,5 @@ def parallelize_llama(
         dp_shard=dp_shard,
         activation_checkpointing=activation_checkpointing,
         reshard_after_forward=reshard_after_forward,
+        compile=compile,
     )

@@ -1,0 +1,97 @@
+"""`train.compile`: each transformer block compiled on its own (regional compilation), and the
+compiled artifacts kept where the next process on the node finds them.
+
+    compile_blocks(blocks)   # after the TP plan and activation checkpointing, before FSDP2
+
+A block's `forward` becomes `torch.compile(block.forward)`, in place (a `CheckpointedBlock`'s
+`block_forward`, so that activation checkpointing recomputes the compiled code from outside it:
+torch 2.13 could not trace the checkpoint around DTensor plans, "expected all
+tensors_saved_with_vc_check to be Tensors ... DeviceMesh"). Its parameters keep their names
+(checkpoints, the optimizer and the Hugging Face adapter read them by name), and the hooks of
+the module (FSDP2's all-gather and reshard, added after) run around the compiled code as they
+do around a block torchtitan compiles. What the block holds, float8 linears and DTensor plans
+included, is traced with it. The blocks of a stage share one graph
+(dynamo treats the block's parameters as inputs), so a stage compiles once, not once a block.
+
+Inductor's FX graph cache and AOTAutograd cache live in one directory per node
+(`cache_dir`): a replaced rank, a resized run and the next tune trial on the node load the
+kernels instead of compiling them again (dynamo's tracing still runs, a second or so a graph).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from rayhybrid.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+"""Where inductor keeps its caches (its FX graph cache, the AOTAutograd cache, generated code).
+rayhybrid's compiled blocks use `<it>/rayhybrid`, or `<tmp>/torchinductor_<user>/rayhybrid`
+when it is unset: per node, and outliving the process."""
+
+COMPILERS = ("c++", "g++", "clang++")
+
+
+@functools.cache
+def cache_dir() -> str:
+    """The node's compile cache for rayhybrid (`CACHE_ENV`), set for this process's inductor,
+    with its caches on (torch's defaults, said here so an environment that turned them off does
+    not make every restart compile again).
+
+    Compiled blocks keep the tensors they save for backward (`donated_buffer` off): the
+    zero-bubble schedules compute input gradients with `retain_graph=True` and weight gradients
+    after, and torch refuses a donating backward there. Every rayhybrid run compiles so, and
+    its artifacts live in their own folder: torch 2.13's AOTAutograd cache does not tell a
+    donating backward from one that keeps its buffers, and one compiled the other way (by
+    another program sharing inductor's folder) gave a zero-bubble run wrong weight gradients,
+    silently."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    torch._functorch.config.donated_buffer = False
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    root = os.environ.get(CACHE_ENV) or default_cache_dir()
+    os.environ[CACHE_ENV] = where = os.path.join(root, "rayhybrid")
+    return where
+
+
+def check_compiler(device: torch.device) -> None:
+    """Inductor's CPU backend builds C++: without a compiler the first step would fail deep in
+    inductor, so say it here, in one line."""
+    if device.type != "cpu":
+        return
+    wanted = os.environ.get("CXX")
+    if wanted and shutil.which(wanted) or any(shutil.which(c) for c in COMPILERS):
+        return
+    raise ConfigError(
+        "train.compile",
+        "inductor's CPU backend needs a C++ compiler (g++ or clang++, or $CXX) on every node; "
+        "install one or set train.compile=false",
+    )
+
+
+def block_device(block: nn.Module) -> torch.device:
+    param = next(block.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def compile_blocks(blocks: list[nn.Module]) -> None:
+    """Compile each block's forward on its own, in place (see the module's docstring)."""
+    if not blocks:
+        return
+    check_compiler(block_device(blocks[0]))
+    where = cache_dir()
+    for block in blocks:
+        if hasattr(block, "block_forward"):  # a CheckpointedBlock: its recomputation stays outside
+            block.block_forward = torch.compile(block.block_forward)
+        else:
+            block.forward = torch.compile(block.forward)
+    log.debug("compiling %d blocks; compile cache %s", len(blocks), where)
