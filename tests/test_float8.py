@@ -16,10 +16,12 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
 from rayhybrid.config.validate import check
 from rayhybrid.errors import ConfigError
+from rayhybrid.models.llama3.parallelize import tp_plan
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.float8 import PIP, check_float8, convert_blocks, is_float8
 from rayhybrid.preflight import load_config
@@ -85,6 +87,29 @@ def test_the_blocks_linears_are_converted_and_the_output_head_is_not(model, tp, 
     after = dict(stage.named_parameters())
     assert after.keys() == before.keys()
     assert all(torch.equal(after[name], value) for name, value in before.items())
+
+
+def test_the_tp_plans_take_torchaos_float8_styles_for_float8_layers_only():
+    """Llama at tp2: attention's linears are float8 (torchao's styles, q/k/v's input cast once),
+    the feed-forward's are not (88 per rank): torch's own styles."""
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    cfg = load_config(["model=llama3_debug", "train.float8=emulate", "train.dtype=bfloat16"])
+    stage = get_spec(cfg.model).build_stage(cfg.model, seq_len=32, layer_ids=range(1), first=True, last=True)
+    convert_blocks(stage, cfg.train.float8, tp=2)
+    plan = tp_plan(stage, loss_parallel=False)
+    p = "layers.0."
+    assert type(plan[p + "attention"]) is PrepareFloat8ModuleInput
+    assert type(plan[p + "attention.wq"]) is Float8ColwiseParallel
+    assert type(plan[p + "attention.wo"]) is Float8RowwiseParallel
+    assert type(plan[p + "feed_forward"]) is PrepareModuleInput
+    assert type(plan[p + "feed_forward.w1"]) is ColwiseParallel
+    assert type(plan[p + "feed_forward.w2"]) is RowwiseParallel
+    assert type(plan["output"]) is ColwiseParallel
 
 
 def test_false_converts_nothing():
