@@ -15,6 +15,8 @@ SCHEDULES = tuple(SCHEDULE_TABLE)
 """Pipeline schedules, by config name. `interleaved_zb` and `zbv` are zero-bubble schedules."""
 
 DTYPES = ("float32", "bfloat16")
+FLOAT8_MODES = ("false", "true", "emulate")
+"""train.float8: off, float8 matmuls (a GPU of CUDA capability 8.9+), torchao's emulation."""
 
 
 def every_n(every: int, step: int, steps: int) -> bool:
@@ -157,6 +159,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     dtype: str = "float32"
+    float8: str = "false"
+    """The blocks' linear layers train in float8 (torchao's recipe, rayhybrid/parallel/float8.py):
+    true (a GPU of CUDA capability 8.9 or more: H100, H200; `pip install 'rayhybrid[float8]'`),
+    emulate (torchao's emulation on any device: float8's numerics, slowly; tests, CPU
+    debugging) or false. Needs train.dtype=bfloat16."""
     activation_checkpointing: bool = False
     compile: bool = False
     """torch.compile each transformer block on its own (regional compilation, inductor), after

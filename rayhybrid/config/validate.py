@@ -10,7 +10,7 @@ ever place) by the cluster package once it can see the cluster.
 
 from __future__ import annotations
 
-from rayhybrid.config.schema import DTYPES, SCHEDULES, Config
+from rayhybrid.config.schema import DTYPES, FLOAT8_MODES, SCHEDULES, Config
 from rayhybrid.config.topology import SCHEDULE_TABLE, Layout
 from rayhybrid.errors import ConfigError
 
@@ -73,6 +73,7 @@ def check(cfg: Config) -> None:
     _choice("topology.loss_parallel", str(t.loss_parallel).lower(), ("auto", "true", "false"))
     _choice("train.dtype", tr.dtype, DTYPES)
     _choice("train.decay", tr.decay, DECAYS)
+    _float8(cfg)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
 
     virtual = Layout.of(cfg).virtual_stages
@@ -99,6 +100,19 @@ def check(cfg: Config) -> None:
     else:
         _batch_split(cfg, t.dp)
     _held_out(cfg)
+
+
+def _float8(cfg: Config) -> None:
+    """train.float8 is a known mode, and runs beside bfloat16 autocast (the rest of the block:
+    attention, norms). Whether the device has float8 is the workers' to say."""
+    mode = str(cfg.train.float8).lower()  # the command line's `true` arrives as bool True
+    _choice("train.float8", mode, FLOAT8_MODES)
+    if mode != "false" and cfg.train.dtype != "bfloat16":
+        raise ConfigError(
+            "train.float8",
+            f"float8 linear layers run beside bfloat16 autocast, but train.dtype={cfg.train.dtype}; "
+            "set train.dtype=bfloat16",
+        )
 
 
 def _held_out(cfg: Config) -> None:

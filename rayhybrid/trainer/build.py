@@ -22,6 +22,7 @@ from rayhybrid.config.topology import Layout
 from rayhybrid.errors import TESTED_TORCH
 from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.spec import ModelSpec
+from rayhybrid.parallel.float8 import check_float8, convert_blocks
 from rayhybrid.parallel.pipeline import build_schedule
 from rayhybrid.storage.store import one_line
 from rayhybrid.trainer.optim import build_optimizer
@@ -44,7 +45,8 @@ def build_stages(
     loss_parallel: bool,
 ) -> Stages:
     """The pipeline stages pipeline rank `pp_rank` owns, each keeping the full model's parameter
-    names."""
+    names. `train.float8` that cannot run on `device`: ConfigError before any is built."""
+    check_float8(cfg.train.float8, device)
     ranges = layout.stage_layers
     return [
         (
@@ -69,7 +71,8 @@ def build_stage(
     loss_parallel: bool,
 ) -> torch.nn.Module:
     """One pipeline stage of the model its spec builds (full parameter names), made on the
-    meta device, materialised here, initialised, then parallelised (TP, AC, compile, dp)."""
+    meta device, materialised here, initialised, its blocks' linears made float8
+    (`train.float8`), then parallelised (TP, AC, compile, dp)."""
     with torch.device("meta"):
         stage = spec.build_stage(
             cfg.model,
@@ -84,6 +87,7 @@ def build_stage(
         owner, _, attr = name.rpartition(".")
         setattr(stage.get_submodule(owner), attr, stage.get_parameter(source))
     stage.init_weights(cfg.seed)
+    convert_blocks(stage, cfg.train.float8, tp=cfg.topology.tp)
     return spec.parallelize(
         stage,
         tp_mesh=mesh["tp"],

@@ -10,35 +10,33 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     parallelize_module,
 )
 
 from rayhybrid.models.gpt.model import GPT
 from rayhybrid.models.layers import checkpoint_and_shard
+from rayhybrid.parallel.float8 import colwise_style, replicated_input_style, rowwise_style
 
 
 def tp_plan(model: GPT, *, loss_parallel: bool) -> dict[str, object]:
     """Megatron-style split: q/k/v and the first MLP layer column-wise (heads and hidden units
     per rank), the attention and MLP output projections row-wise (one all-reduce each), the
     token embedding vocab-parallel, and the output projection vocab-parallel. With
-    `loss_parallel` the logits stay sharded over the vocabulary into the loss."""
+    `loss_parallel` the logits stay sharded over the vocabulary into the loss. A block's float8
+    linears (train.float8) take torchao's float8 styles (rayhybrid/parallel/float8.py)."""
     plan: dict[str, object] = {}
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
     for name in model.layers:
+        p = f"layers.{name}."
         # The attention input becomes one replicated DTensor shared by q, k and v, so their
         # input gradients add up locally and cost one all-reduce in backward instead of three.
-        plan[f"layers.{name}.attn"] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
-        )
-        plan[f"layers.{name}.attn.wq"] = ColwiseParallel()
-        plan[f"layers.{name}.attn.wk"] = ColwiseParallel()
-        plan[f"layers.{name}.attn.wv"] = ColwiseParallel()
-        plan[f"layers.{name}.attn.wo"] = RowwiseParallel()
-        plan[f"layers.{name}.mlp.w1"] = ColwiseParallel()
-        plan[f"layers.{name}.mlp.w2"] = RowwiseParallel()
+        plan[p + "attn"] = replicated_input_style(model, p + "attn")
+        for linear in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1"):
+            plan[p + linear] = colwise_style(model, p + linear)
+        for linear in ("attn.wo", "mlp.w2"):
+            plan[p + linear] = rowwise_style(model, p + linear)
     if model.output is not None:
         plan["output"] = ColwiseParallel(
             output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel

@@ -13,13 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     parallelize_module,
 )
 
 from rayhybrid.models.layers import checkpoint_and_shard
 from rayhybrid.models.llama3.model import Llama
+from rayhybrid.parallel.float8 import colwise_style, replicated_input_style, rowwise_style
 
 
 def tp_plan(model: Llama, *, loss_parallel: bool) -> dict[str, object]:
@@ -30,18 +30,12 @@ def tp_plan(model: Llama, *, loss_parallel: bool) -> dict[str, object]:
         p = f"layers.{name}."
         # One replicated input DTensor per sub-layer, shared by q/k/v (and by w1/w3), so their
         # input gradients add up locally and cost one all-reduce in backward.
-        replicated = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
-        plan[p + "attention"] = replicated
-        plan[p + "attention.wq"] = ColwiseParallel()
-        plan[p + "attention.wk"] = ColwiseParallel()
-        plan[p + "attention.wv"] = ColwiseParallel()
-        plan[p + "attention.wo"] = RowwiseParallel()
-        plan[p + "feed_forward"] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
-        )
-        plan[p + "feed_forward.w1"] = ColwiseParallel()
-        plan[p + "feed_forward.w3"] = ColwiseParallel()
-        plan[p + "feed_forward.w2"] = RowwiseParallel()
+        for sub in ("attention", "feed_forward"):
+            plan[p + sub] = replicated_input_style(model, p + sub)
+        for linear in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[p + linear] = colwise_style(model, p + linear)
+        for linear in ("attention.wo", "feed_forward.w2"):
+            plan[p + linear] = rowwise_style(model, p + linear)
     if model.output is not None:
         plan["output"] = ColwiseParallel(
             output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
