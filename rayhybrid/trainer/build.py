@@ -21,9 +21,9 @@ from rayhybrid.config.schema import Config, TrainConfig
 from rayhybrid.config.topology import Layout
 from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.spec import ModelSpec
-from rayhybrid.parallel.pipeline import build_schedule
 from rayhybrid.storage.store import one_line
 from rayhybrid.trainer.optim import build_optimizer
+from rayhybrid.trainer.startup import mark
 
 if TYPE_CHECKING:
     from rayhybrid.trainer.memory_meter import MemoryMeter
@@ -44,16 +44,14 @@ def build_stages(
 ) -> Stages:
     """The pipeline stages pipeline rank `pp_rank` owns, each keeping the full model's parameter
     names."""
-    ranges = layout.stage_layers
-    return [
-        (
-            i,
-            build_stage(
-                cfg, spec, mesh, device, i, ranges[i], num_stages=layout.num_stages, loss_parallel=loss_parallel
-            ),
+    ranges, stages = layout.stage_layers, []
+    for i in layout.stages_of(pp_rank):
+        stage = build_stage(
+            cfg, spec, mesh, device, i, ranges[i], num_stages=layout.num_stages, loss_parallel=loss_parallel
         )
-        for i in layout.stages_of(pp_rank)
-    ]
+        stages.append((i, stage))
+        mark("parallelize")  # build_stage marks the model's build and init
+    return stages
 
 
 def build_stage(
@@ -83,6 +81,7 @@ def build_stage(
         owner, _, attr = name.rpartition(".")
         setattr(stage.get_submodule(owner), attr, stage.get_parameter(source))
     stage.init_weights(cfg.seed)
+    mark("model_build")
     return spec.parallelize(
         stage,
         tp_mesh=mesh["tp"],
@@ -114,6 +113,8 @@ def build_pipeline(
     t = cfg.topology
     if t.pp <= 1:
         return None
+    from rayhybrid.parallel.pipeline import build_schedule  # torch's pipelining imports dynamo: pp > 1 only
+
     return build_schedule(
         t.schedule,
         stages,
