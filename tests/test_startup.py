@@ -55,3 +55,17 @@ def test_the_command_start_is_before_now():
 
     started = startup.command_started()
     assert started is None or 0 <= time.time() - started < 24 * 3600
+
+
+def test_a_worker_without_a_pipeline_does_not_import_torchs_pipelining():
+    """Every rank imports the trainer at start-up (`imports`); torch's pipelining pulls in dynamo
+    (about a quarter of a second per rank on a CPU) and is imported only where pp > 1."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rayhybrid.trainer.loop, rayhybrid.cluster.worker; "
+        "print(sorted(m for m in ('torch.distributed.pipelining', 'torch._dynamo') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
