@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,9 @@ CHECKED: list[Config] = []
 """The configs `main` checked before Hydra started (one per job of a sweep), without their run
 directory: a job whose config is one of them is not checked again (the environment's checks
 run once per command)."""
+STARTED: list[float | None] = []
+"""When the command started (`main` sets it): where the first job's start-up begins; a later
+job of a sweep starts its own when it begins."""
 
 
 def task(node) -> None:
@@ -54,7 +58,7 @@ def task(node) -> None:
             scrub_run_files(Path(cfg.run_dir) / hydra.output_subdir, cfg)
         if composed not in CHECKED:  # a config main could not check first (Hydra's own flags or sweeper)
             check(cfg)
-        summary = Controller(cfg).run()
+        summary = Controller(cfg, started=STARTED.pop() if STARTED else None).run()
     if summary["status"] == "interrupted":  # SIGTERM: stopped after a final checkpoint
         sys.exit(130)
     if summary["status"] != "completed":
@@ -108,9 +112,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from rayhybrid.config.compose import conf_dir, normalize_overrides, register_schema
     from rayhybrid.preflight import load_config
+    from rayhybrid.trainer.startup import command_started
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     CHECKED.clear()
+    STARTED[:] = [command_started() if argv is None else time.time()]  # called in-process: from now
+    argv = list(sys.argv[1:] if argv is None else argv)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     flags = {a.split("=")[0] for a in argv if a.startswith("-")}
     if not flags & {*HYDRA_FLAGS_WITHOUT_RUN, *HYDRA_FLAGS_WITH_CONFIG}:

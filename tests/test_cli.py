@@ -128,6 +128,16 @@ def test_default_trains_one_rank(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["topology"]["world_size"] == 1 and summary["steps"] == 3
+    # The start-up by phase, in order, from the command's start to the end of the first step.
+    from rayhybrid.trainer.startup import PHASES
+
+    phases = summary["startup"]
+    assert list(phases) == list(PHASES) and all(s >= 0 for s in phases.values()), phases
+    assert abs(sum(phases.values()) - summary["startup_s"]) <= 0.05 * summary["startup_s"], phases
+    assert phases["ray"] > 0 and phases["imports"] > 0 and phases["launch"] > 0, phases  # measured, not zeros
+    assert summary["startup_s"] <= summary["wall_s"]
+    line = next(line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "first step done in" in line)
+    assert "launch" in line and "first step" in line and "parameters" in line, line
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_130_and_the_run_resumes_from_it(tmp_path):

@@ -19,6 +19,7 @@ from rayhybrid.cluster.guard import guarded
 from rayhybrid.cluster.healer import Healer
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
+from rayhybrid.trainer import startup
 
 if TYPE_CHECKING:
     from rayhybrid.trainer.results import HealResult, HeldState, RestoreResult, SaveResult, StepResult
@@ -53,6 +54,7 @@ class TrainWorker:
     a stopped or wedged one can be told apart."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
+        startup.begin()  # the process is up: its first join's phases (`setup` reports them)
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -80,6 +82,8 @@ class TrainWorker:
         """Import the trainer, so that the ranks reach the rendezvous of `setup` together (a new
         worker would be seconds behind)."""
         import rayhybrid.trainer.loop  # noqa: F401
+
+        startup.mark("imports")
 
     def placement(self, visible_gpus: tuple[str, ...] = ()) -> dict:
         """Where this rank runs, the GPUs Ray gave it, and the device, CUDA_VISIBLE_DEVICES and
@@ -183,7 +187,7 @@ class TrainWorker:
                 hosted=True,
             )
             self.trainer = Trainer(self.cfg, rank=self.rank, device=device)
-        return self.trainer.describe()
+        return {**self.trainer.describe(), "startup": startup.reading()}
 
     def save(self, root: str, keep: int, inject: str | None = None) -> SaveResult:
         """Write a checkpoint (in the background when checkpoint.async_save); `inject`: a

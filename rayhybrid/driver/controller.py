@@ -50,8 +50,9 @@ log = logging.getLogger("rayhybrid")
 
 
 class Controller:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, started: float | None = None) -> None:
         self.cfg = cfg
+        self.started = started  # when the command started (wall clock): the start-up's phases begin there
         self.scaling = ScalingPolicy.of(cfg)
         self.failures = FailurePolicy(cfg.fault.max_restarts)
         self.faults = FaultPlan(cfg.fault)
@@ -71,7 +72,7 @@ class Controller:
         }
 
     def run(self) -> dict:
-        self.log = RunLog(self.cfg)
+        self.log = RunLog(self.cfg, self.started)
         self.log.attach(Observer(self.cfg, self.log.dir))
         self.log.checkpoints_in(redact_url(self._checkpoint_url()))
         state: State = Starting(RunState())
@@ -108,7 +109,9 @@ class Controller:
         found = self.ledger.latest()  # listed once: the trackers, the model check and the first start use it
         self.launcher = Launcher(cfg, self.scaling, self.ledger, self.drains, self.log, found)
         self.log.attach(Tracked(Trackers.open(cfg, self.log.dir, store, checkpoint_found=found is not None)))
-        return connect(cfg)
+        self.log.phase("launch")
+        started_ray, _ = connect(cfg), self.log.phase("ray")
+        return started_ray
 
     def _checkpoint_url(self) -> str:
         return self.cfg.checkpoint.dir or str(self.log.dir / "checkpoints")
@@ -130,7 +133,6 @@ class Controller:
             good = self.ledger.latest()
             return self._failed(start.run, start.error, good.step + 1 if good else 1, None)
         self.group = start.group
-        self.log.started_up(len(self.group.workers))
         return Training(start.run.but(train_started=time.perf_counter()), start.pending)
 
     def on_training(self, state: Training) -> State:
@@ -145,6 +147,7 @@ class Controller:
             (result,) = self.group.train(1, timeout_s=self.cfg.fault.step_timeout_s, inject=inject)
         except WorkerError as err:
             return self._failed(run, err, run.step + 1, inject)
+        self.log.started_up(len(self.group.workers), result.metrics.get("data_wait_s") or 0.0)  # the first step
         if state.pending is not None:
             self.log.interruption(state.pending.close(result.metrics["step_time_s"]))
         metrics = self.log.step(result.metrics)

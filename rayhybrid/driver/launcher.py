@@ -84,6 +84,7 @@ class Launcher:
         mark = time.perf_counter()
         slots = tuple(self.scaling.on_start(group.reserve(self.scaling.min_dp)))
         placed = time.perf_counter()
+        self.log.phase("placement")
         try:
             run, err = self.rebuild(run, group, slots)
         except BaseException:
@@ -92,6 +93,7 @@ class Launcher:
         if err is not None:
             group.shutdown(graceful=False)
             return Start(run, error=err)
+        self.log.joined([d.get("startup") for d in group.descriptions])
         if pending is not None:  # a start again, after the one before failed
             init_s = time.perf_counter() - placed
             dp_before = pending.dp_before or group.dp
@@ -101,6 +103,7 @@ class Launcher:
         except BaseException:  # the group is not returned: stop it here
             group.shutdown(graceful=False)
             raise
+        self.log.phase("restore")
         return Start(run, group, pending=pending)
 
     def rebuild(self, run: RunState, group, slots) -> tuple[RunState, WorkerError | None]:

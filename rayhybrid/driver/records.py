@@ -129,7 +129,11 @@ class RunSummary:
     """Preemption notices the run acted on: node, deadline_s, saved_step, lost_steps."""
     faults_injected: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
+    """Seconds from the command's start (the run's, from the API) to the summary."""
     startup_s: float | None = None
+    """Seconds from the command's start to the end of the first completed step."""
+    startup: dict = field(default_factory=dict)
+    """`startup_s` by phase, in order (`rayhybrid.trainer.startup.PHASES`); empty until then."""
     train_s: float | None = None
     resumed_from: str | None = None
     resumed_step: int | None = None
@@ -183,6 +187,8 @@ class RunSummary:
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("workers", "figures")}
+        if not out["startup"]:
+            del out["startup"]
         for optional in (
             "startup_s",
             "train_s",

@@ -10,6 +10,9 @@ experiment trackers) get every record too, at fixed points.
     log.interruption(interruption)                # a restart or resize, once its first step is done
     log.close("completed", restarts=1, ...)       # summary.json
 
+The first start's phases (summary.json's `startup`, `rayhybrid.trainer.startup`) are marked as
+the start goes (`phase`, `joined`) and closed by the first completed step (`started_up`).
+
 While the run log is open, Ray's own text goes to the run's log file rather than the terminal
 (`RayText`), so a failure rayhybrid handles shows as rayhybrid's one line.
 
@@ -34,6 +37,7 @@ from rayhybrid.config.topology import Layout
 from rayhybrid.driver.raytext import RayText
 from rayhybrid.driver.records import Interruption, RunSummary, StepMetrics
 from rayhybrid.driver.reporting import Reporter
+from rayhybrid.trainer.startup import PhaseClock, critical_path
 
 log = logging.getLogger("rayhybrid")
 
@@ -75,7 +79,7 @@ class RunLog:
     """metrics.jsonl, step lines, progress bar, workers.json and summary.json for one run
     directory: the only writer of these files."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, started: float | None = None) -> None:
         self.cfg = cfg
         self.dir = Path(cfg.run_dir or ".").resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -84,6 +88,8 @@ class RunLog:
         self.bar = ProgressBar(cfg.train.steps)
         self.history: list[StepMetrics] = []
         self.started = time.perf_counter()
+        self.clock = PhaseClock(started)
+        """The first start's phases, from `started` (wall clock: the command's start; default now)."""
         self.data_trace = DataTrace(self.dir / "data_trace")
         self.ray_text = RayText(self.dir)
         """Ray's own text, in the run's log file until `close` (or until this run log is gone)."""
@@ -207,17 +213,37 @@ class RunLog:
         for reporter in self.reporters:
             reporter.after_workers_start(placement, first)
 
-    def started_up(self, workers: int) -> None:
-        """The first start is done: the start-up time, and a line saying so (once a run)."""
+    def phase(self, name: str) -> None:
+        """A phase of the first start ends now (`rayhybrid.trainer.startup.PHASES`)."""
+        if self.summary.startup_s is None:
+            self.clock.mark(name)
+
+    def joined(self, readings: list[dict | None]) -> None:
+        """The workers answered that their trainers are built: their phases (each worker's
+        reading of its clock) from the end of the last phase to now, along the critical path."""
+        if self.summary.startup_s is not None:
+            return
+        now = time.time()
+        for name, seconds in critical_path([r for r in readings if r], self.clock.last, now).items():
+            self.clock.add(name, seconds)
+        self.clock.last = now
+
+    def started_up(self, workers: int, first_batch_s: float) -> None:
+        """The first step is done: the start-up's phases and time, and a line saying so (once a
+        run). `first_batch_s`: the first step's wait for its samples (the slowest rank's)."""
         s = self.summary
         if s.startup_s is not None:
             return
-        s.startup_s = round(time.perf_counter() - self.started, 3)
+        first = time.time() - self.clock.last
+        self.clock.add("first_batch", min(first, max(0.0, first_batch_s)))
+        self.clock.mark("first_step")
+        s.startup, s.startup_s = self.clock.ordered(), round(self.clock.last - self.clock.since, 3)
         floor = s.workers["loss_floor"]
         log.info(
-            "started %d workers in %.1fs; %s parameters; run dir %s%s",
+            "started %d workers, first step done in %.1fs (%s); %s parameters; run dir %s%s",
             workers,
             s.startup_s,
+            ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}" for name, seconds in s.startup.items()),
             f"{s.workers['params']:,}",
             self.dir,
             f"; data loss floor {floor:.4f}" if floor is not None else "",
@@ -261,7 +287,7 @@ class RunLog:
         s = self.summary
         s.status, s.error, s.restarts, s.train_s, s.best_checkpoint = status, error, restarts, train_s, best_checkpoint
         s.finish(self.history)
-        s.wall_s = round(time.perf_counter() - self.started, 3)
+        s.wall_s = round(time.time() - self.clock.since, 3)
         figures = s.to_dict()
         before = set(figures)
         for reporter in self.reporters:

@@ -23,9 +23,9 @@ from rayhybrid.errors import TESTED_TORCH
 from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.spec import ModelSpec
 from rayhybrid.parallel.float8 import check_float8, convert_blocks
-from rayhybrid.parallel.pipeline import build_schedule
 from rayhybrid.storage.store import one_line
 from rayhybrid.trainer.optim import build_optimizer
+from rayhybrid.trainer.startup import mark
 
 if TYPE_CHECKING:
     from rayhybrid.trainer.memory_meter import MemoryMeter
@@ -47,16 +47,14 @@ def build_stages(
     """The pipeline stages pipeline rank `pp_rank` owns, each keeping the full model's parameter
     names. `train.float8` that cannot run on `device`: ConfigError before any is built."""
     check_float8(cfg.train.float8, device)
-    ranges = layout.stage_layers
-    return [
-        (
-            i,
-            build_stage(
-                cfg, spec, mesh, device, i, ranges[i], num_stages=layout.num_stages, loss_parallel=loss_parallel
-            ),
+    ranges, stages = layout.stage_layers, []
+    for i in layout.stages_of(pp_rank):
+        stage = build_stage(
+            cfg, spec, mesh, device, i, ranges[i], num_stages=layout.num_stages, loss_parallel=loss_parallel
         )
-        for i in layout.stages_of(pp_rank)
-    ]
+        stages.append((i, stage))
+        mark("parallelize")  # build_stage marks the model's build and init
+    return stages
 
 
 def build_stage(
@@ -88,6 +86,7 @@ def build_stage(
         setattr(stage.get_submodule(owner), attr, stage.get_parameter(source))
     stage.init_weights(cfg.seed)
     convert_blocks(stage, cfg.train.float8, tp=cfg.topology.tp)
+    mark("model_build")
     return spec.parallelize(
         stage,
         tp_mesh=mesh["tp"],
@@ -120,6 +119,8 @@ def build_pipeline(
     t = cfg.topology
     if t.pp <= 1:
         return None
+    from rayhybrid.parallel.pipeline import build_schedule  # torch's pipelining imports dynamo: pp > 1 only
+
     return build_schedule(
         t.schedule,
         stages,

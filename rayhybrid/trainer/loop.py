@@ -34,6 +34,7 @@ from rayhybrid.trainer.instrument import instrument_stage
 from rayhybrid.trainer.optim import lr_at, set_lr
 from rayhybrid.trainer.passes import Accumulate, Pipelined
 from rayhybrid.trainer.results import RestoreResult, SaveResult, StepMetrics, StepResult
+from rayhybrid.trainer.startup import mark
 from rayhybrid.trainer.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,11 @@ class Trainer:
         # All ranks, for checkpoints: a group of its own rather than the default one, so that
         # leaving it after a failure (see cluster/worker.py) closes its connections too.
         self.world_group = dist.new_group()
+        mark("device_init")
         self.checkpoints = Checkpoints(self)  # saves, the ones that ended, restores
         self.stream = build_stream(cfg.data, cfg.model.vocab_size, cfg.seed)
         self.feed = DeviceFeed(self.stream, device)  # its batches on the device, read ahead
+        mark("data")
         self.evaluation = Evaluation()  # the held-out stream, built on first use, and val_loss
         self.n_microbatches = self.layout.num_microbatches
         self.replica_tokens = self.layout.replica_batch_size * cfg.data.seq_len
@@ -72,6 +75,7 @@ class Trainer:
             from rayhybrid.trainer.hf_load import load_pretrained
 
             load_pretrained(self)
+            mark("restore")
         self.has_first = any(i == 0 for i, _ in self.stages)
         self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
         self.params = [p for _, m in self.stages for p in m.parameters()]
@@ -96,6 +100,7 @@ class Trainer:
         self.settled = False  # whether the state is the run's (trained, restored or healed)
         self.last_result: StepResult | None = None  # the last step's, for a step the driver missed
         self.stage_layers = {i: list(self.layout.stage_layers[i]) for i, _ in self.stages}
+        mark("parallelize")  # with the optimizers and the pipeline schedule
 
     def save_checkpoint(self, root: str, keep: int, die_after_write: bool = False) -> SaveResult:
         """Save the current step under `root` (a path or URL): `Checkpoints.save`."""

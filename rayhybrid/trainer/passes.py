@@ -20,7 +20,6 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from rayhybrid.parallel.pipeline import forward_only as pipeline_forward_only
 from rayhybrid.trainer.instrument import timed_schedule
 from rayhybrid.trainer.timeline import Timeline
 
@@ -80,7 +79,9 @@ class Pipelined:
         return self._run(step, inputs, targets)
 
     def forward_only(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
-        return self._run(functools.partial(pipeline_forward_only, self.schedule), inputs, targets)
+        from rayhybrid.parallel.pipeline import forward_only
+
+        return self._run(functools.partial(forward_only, self.schedule), inputs, targets)
 
     def _run(self, run, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         """`run` (the schedule's step, or its forward-only pass) on the replica batch, each rank
