@@ -133,7 +133,8 @@ def test_default_trains_one_rank(tmp_path):
 
     phases = summary["startup"]
     assert list(phases) == list(PHASES) and all(s >= 0 for s in phases.values()), phases
-    assert abs(sum(phases.values()) - summary["startup_s"]) <= 0.05 * summary["startup_s"], phases
+    # The phases tile the start-up (each mark ends one): they add up to it but for rounding.
+    assert abs(sum(phases.values()) - summary["startup_s"]) <= 0.001 * len(PHASES), phases
     assert phases["ray"] > 0 and phases["imports"] > 0 and phases["launch"] > 0, phases  # measured, not zeros
     assert summary["startup_s"] <= summary["wall_s"]
     line = next(line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "first step done in" in line)

@@ -69,3 +69,25 @@ def test_a_worker_without_a_pipeline_does_not_import_torchs_pipelining():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_slow_first_batch_is_its_own_phase_and_the_phases_still_add_up(tmp_path):
+    """The first batch's wait is the start of the first step: it is marked as its own phase and
+    the first step keeps only the rest, so the phases add up to startup_s exactly (but for
+    rounding), however slow the first batch was."""
+    import dataclasses
+    import time
+
+    from rayhybrid.config.schema import Config
+    from rayhybrid.driver.runlog import RunLog
+
+    cfg = dataclasses.replace(Config(), run_dir=str(tmp_path))
+    log = RunLog(cfg, started=time.time() - 10.0)
+    log.summary.workers = {"params": 1, "loss_floor": None}
+    log.clock.mark("launch", now=time.time() - 2.0)  # the first step began 2 s ago
+    log.started_up(1, first_batch_s=1.5)
+    phases, total = log.summary.startup, log.summary.startup_s
+    assert phases["first_batch"] == pytest.approx(1.5, abs=0.01)
+    assert phases["first_step"] == pytest.approx(0.5, abs=0.05)
+    assert sum(phases.values()) == pytest.approx(total, abs=0.001 * len(PHASES)), phases
+    log.close("completed")

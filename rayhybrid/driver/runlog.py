@@ -235,7 +235,9 @@ class RunLog:
         if s.startup_s is not None:
             return
         first = time.time() - self.clock.last
-        self.clock.add("first_batch", min(first, max(0.0, first_batch_s)))
+        # The first batch's wait is the first part of the first step: marked as its own phase,
+        # so that the clock moves past it and the first step keeps only the rest.
+        self.clock.mark("first_batch", now=self.clock.last + min(first, max(0.0, first_batch_s)))
         self.clock.mark("first_step")
         s.startup, s.startup_s = self.clock.ordered(), round(self.clock.last - self.clock.since, 3)
         floor = s.workers["loss_floor"]
