@@ -161,7 +161,7 @@ def rayhybrid_point(run_dir: Path, overrides: list[str], mb: int, warmup: int, s
     try:
         run.wait_for_step(1, timeout)
         summary = run.finish(timeout)
-    except (RuntimeError, TimeoutError) as err:
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as err:
         _stop(run.proc)
         summary_path = run_dir / "summary.json"
         said = str(err) + (summary_path.read_text() if summary_path.exists() else "")

@@ -205,3 +205,15 @@ def test_float8_composes_with_tp2_fsdp2_and_activation_checkpointing(world1_runs
     for label in cfgs:
         for rank in ranks:
             assert_close_to_bf16(rank[label], world1_runs["bf16"])
+
+
+def test_true_pads_the_inner_dimension_and_emulate_keeps_the_numerics_unpadded():
+    """On a GPU the weight gradient's float8 matmul runs over the tokens (micro-batch x
+    seq_len), which it needs in multiples of 16: `true` pads, so data.seq_len=1000 trains;
+    `emulate` has no such matmul and is left as torchao makes it."""
+    cfg = load_config(["model=gpt_tiny", "train.dtype=bfloat16"])
+    for mode, padded in (("true", True), ("emulate", False)):
+        stage = get_spec(cfg.model).build_stage(cfg.model, seq_len=32, layer_ids=range(1), first=True, last=True)
+        convert_blocks(stage, mode, tp=1)
+        configs = [m.config for m in stage.modules() if is_float8(m)]
+        assert configs and all(c.pad_inner_dim is padded and c.emulate is (mode == "emulate") for c in configs)

@@ -117,7 +117,9 @@ def convert_blocks(stage: nn.Module, value: object, *, tp: int) -> nn.Module:
     if mode == "false":
         return stage
     float8 = _torchao_float8()
-    config = float8.Float8LinearConfig(emulate=mode == "emulate")
+    # pad_inner_dim: the weight gradient's matmul runs over the tokens (micro-batch x seq_len),
+    # which the GPU's float8 matmul needs in multiples of 16; padded, any batch shape trains.
+    config = float8.Float8LinearConfig(emulate=mode == "emulate", pad_inner_dim=mode == "true")
 
     def in_blocks(linear: nn.Linear, fqn: str) -> bool:
         return fqn.startswith("layers.") and all(
