@@ -6,8 +6,8 @@
 # test extra (pip must keep that torch: it is inside the range pyproject.toml declares), and
 # runs the tests that lean most on torch (its private APIs, parity with plain PyTorch and
 # transformers, gradients, checkpoints, tied pipelines, the memory meter) and a short training
-# run of the command line. On a shared machine, run it under the lock:
-#   flock /work/wt/heavy.lock scripts/check_torch.sh 2.11
+# run of the command line; then the newer features torch's internals carry (compiled blocks,
+# float8 through torchao, the data feed, the start-up clock).
 set -euo pipefail
 version=${1:?usage: scripts/check_torch.sh <torch version, e.g. 2.11> [venv dir]}
 venv=${2:-/tmp/rayhybrid-torch-$version}
@@ -24,7 +24,8 @@ esac
 export PYTHONPATH=$PWD  # this checkout, as installed
 failed=0
 "$py" -m pytest -q -p no:cacheprovider tests/test_torch_range.py tests/test_private_apis.py tests/test_parity.py \
-    tests/test_llama.py tests/test_grad_parity.py tests/test_checkpoint.py tests/test_tied_pipeline.py tests/test_memory.py ||
+    tests/test_llama.py tests/test_grad_parity.py tests/test_checkpoint.py tests/test_tied_pipeline.py tests/test_memory.py \
+    tests/test_compile.py tests/test_float8.py tests/test_data.py tests/test_startup.py ||
     failed=1
 run_dir=$(mktemp -d)
 "$py" -m rayhybrid +debug=fast +topology=pp2 train.steps=3 metrics.memory=true "hydra.run.dir=$run_dir/run"

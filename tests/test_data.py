@@ -277,7 +277,7 @@ def test_chain_successors_are_numpys_choice_bit_for_bit(vocab, k):
 
 
 def test_a_llama3_vocabulary_chain_is_the_same_and_several_times_faster_to_build():
-    """At 128256 tokens the per-row loop took ~0.9 s of every rank's start; the vectorised
+    """At 128256 tokens the per-row loop took most of the chain's 0.71 s of every rank's start; the vectorised
     draw is the same chain (its Lemire rejections included: a few at this size)."""
     import time
 
@@ -346,3 +346,27 @@ def test_device_feed_on_cpu_hands_out_what_the_stream_reads_and_reads_ahead_in_a
     feed.ahead([(12, 8)])
     assert set(stream._ahead) == {(12, 8)}
     feed.close()
+
+
+def test_device_feed_stages_the_next_batch_once_it_is_read_and_a_jump_drops_it(monkeypatch):
+    """The CUDA path's bookkeeping, with the copy to the device stood in for (no GPU here):
+    `stage` (called once the step's work is queued) starts the next batch's copy when its
+    samples are read, once; `take` hands out that copy; a jump drops what was staged."""
+    from rayhybrid.data.feed import DeviceFeed
+
+    stream = MarkovStream(VOCAB, 32, 4, seed=1)
+    feed = DeviceFeed(stream, torch.device("cpu"))
+    copies = []
+    feed.cuda = True  # the bookkeeping of a CUDA feed; its copies recorded instead of made
+    monkeypatch.setattr(feed, "_to_device", lambda host: copies.append(host) or host.clone())
+    feed.ahead([(8, 8), (16, 8)])
+    if (8, 8) in stream._ahead:  # not staged by `ahead` itself: read by the time the step's work is queued
+        stream._ahead[(8, 8)].result()
+    feed.stage()
+    feed.stage()  # once
+    assert list(feed.staged) == [(8, 8)] and len(copies) == 1
+    assert torch.equal(copies[0], MarkovStream(VOCAB, 32, 4, seed=1).tensor(8, 8))
+    feed.ahead([(40, 8)])  # a jump (a restore): the staged batch is not the next one any more
+    assert feed.staged == {} and set(stream._ahead) == {(40, 8)}
+    feed.close()
+    assert feed.upcoming == [] and feed.staged == {}

@@ -268,7 +268,7 @@ class TrainWorker:
             self.healer.keep(self.trainer, self.rank)
         if self.trainer is not None:
             self.trainer.close_checkpoints()
-            self.trainer.stream.close()  # its read-ahead thread
+            self.trainer.feed.close()  # its stream's read-ahead thread, its batches on the device
         self.trainer = None
         if dist.is_initialized():
             from rayhybrid.parallel.mesh import forget_meshes

@@ -230,7 +230,9 @@ class Trainer:
         if self.has_first or self.has_last:
             inputs, targets = self.read(shard)
         with self.step_context():
-            return self.passes.forward_backward(inputs, targets)
+            loss = self.passes.forward_backward(inputs, targets)
+        self.feed.stage()  # the next batch's copy to the device, behind this step's work (CUDA)
+        return loss
 
     def read(self, shard) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's samples of the step on the device (timed: `data_wait_s`), the next
