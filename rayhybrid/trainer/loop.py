@@ -224,8 +224,7 @@ class Trainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self._phase(self.stages[0][0], "forward")
-        inputs, targets = None, None
-        self.samples_read = None
+        inputs, targets, self.samples_read = None, None, None
         self.data_wait_s, self.data_read = 0.0, None
         if self.has_first or self.has_last:
             inputs, targets = self.read(shard)
