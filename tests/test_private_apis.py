@@ -51,6 +51,7 @@ PLACE = "cluster/placement.py: whether the cluster can add nodes; Ray's drain st
 JOIN = "parallel/mesh.py joining: the short join timeout (without: torch's, one warning)"
 FORGET = "parallel/mesh.py forget_*: a rank rejoining after a failure (without: one warning)"
 PIPE = "parallel/pipeline.py: forward-only passes of the multi-stage schedules (evaluation)"
+COMPILE = "parallel/compile.py: train.compile's cache folder and settings"
 MEMORY = "trainer/memory_meter.py: the memory meter (tune.memory_budget_mb, the planner's check)"
 C10D = "torch.distributed.distributed_c10d"
 SCHEDULES = "torch.distributed.pipelining.schedules"
@@ -105,6 +106,15 @@ PRIVATE = (
         "torch.distributed._composable.replicate_with_fsdp.replicate", "parallel/data_parallel.py: dp", (1, ("mesh",))
     ),
     Private("torch._foreach_mul_", "parallel/grad.py: gradient clipping", (2, ())),
+    Private("torch._inductor.runtime.cache_dir_utils.default_cache_dir", COMPILE, (0, ())),
+    Private("torch._inductor.config.fx_graph_cache", COMPILE),
+    Private("torch._functorch.config.enable_autograd_cache", COMPILE),
+    Private("torch._functorch.config.donated_buffer", COMPILE + " (off: the zero-bubble schedules)"),
+    Private(
+        "torch.distributed._functional_collectives.AsyncCollectiveTensor.wait",
+        "parallel/compile.py: a compiled block's lazily waited input (llama3 under tp)",
+        (1, ()),
+    ),
     Private(f"{SCHEDULES}._ComputationType.FORWARD", PIPE),
     Private(f"{SCHEDULES}._PipelineScheduleRuntime", PIPE),
     Private(f"{SCHEDULES}._PipelineScheduleRuntime#_num_stages", PIPE),

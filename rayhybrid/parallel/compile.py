@@ -83,6 +83,42 @@ def block_device(block: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+class Waited(torch.autograd.Function):
+    """An `AsyncCollectiveTensor` as the plain tensor it wraps (waited for, no copy), its
+    gradient passed through unchanged.
+
+    A DTensor plan's collective in eager code hands its result on lazily, wrapped (the token
+    embedding's all-reduce, through `to_local()`): an eager operator on it waits and returns a
+    plain tensor, but a compiled block taking it as input traces it as a tensor subclass, and
+    torch 2.13 then sends the block's input gradient, a plain tensor, past `to_local()`'s
+    backward into the all-reduce's, which wants a DTensor ("'Tensor' object has no attribute
+    '_local_tensor'"). Seen with Llama under tp: its first block reads the embedding's output
+    directly (GPT adds its position embedding first, in eager code)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = x.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def compiled(fn):
+    """`torch.compile(fn)`, its tensor arguments waited for (`Waited`) in eager code first."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    inner = torch.compile(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        args = tuple(Waited.apply(a) if isinstance(a, AsyncCollectiveTensor) else a for a in args)
+        return inner(*args, **kwargs)
+
+    return call
+
+
 def compile_blocks(blocks: list[nn.Module]) -> None:
     """Compile each block's forward on its own, in place (see the module's docstring)."""
     if not blocks:
@@ -91,7 +127,7 @@ def compile_blocks(blocks: list[nn.Module]) -> None:
     where = cache_dir()
     for block in blocks:
         if hasattr(block, "block_forward"):  # a CheckpointedBlock: its recomputation stays outside
-            block.block_forward = torch.compile(block.block_forward)
+            block.block_forward = compiled(block.block_forward)
         else:
-            block.forward = torch.compile(block.forward)
+            block.forward = compiled(block.forward)
     log.debug("compiling %d blocks; compile cache %s", len(blocks), where)

@@ -40,13 +40,6 @@ def validate(cfg) -> None:
         raise ConfigError("model.options.rope_theta", f"must be positive, got {s.rope_theta}")
     if s.norm_eps <= 0:
         raise ConfigError("model.options.norm_eps", f"must be positive, got {s.norm_eps}")
-    if cfg.train.compile and cfg.topology.tp > 1:
-        # Seen on torch 2.13 (CPU): the eager output layer's backward then gets a plain
-        # gradient where its DTensor redistribution wants a DTensor; GPT's blocks compile
-        # under tp. Refused rather than failing at the first backward.
-        raise ConfigError(
-            "train.compile", "llama3's compiled blocks do not train under tensor parallelism yet; set topology.tp=1"
-        )
     if s.rope_scaling:
         unknown = sorted(set(s.rope_scaling) - set(ROPE_SCALING_KEYS) - {"rope_type"})
         if unknown or "factor" not in s.rope_scaling:
