@@ -78,6 +78,28 @@ def check_compiler(device: torch.device) -> None:
     )
 
 
+ZERO_BUBBLE_TORCH = (2, 13)
+"""The first torch whose zero-bubble schedules split a compiled block's backward: 2.11 and 2.12
+read the autograd node's `_input_metadata`, which a compiled block's node does not have."""
+
+
+def check_compile(compile: bool, schedule: str, pp: int) -> None:
+    """train.compile that this torch cannot run with the pipeline schedule: one line, before
+    anything is built (`scripts/check_torch.sh` found it on torch 2.11 and 2.12)."""
+    from rayhybrid.config.topology import SCHEDULE_TABLE
+
+    if not compile or pp <= 1 or not SCHEDULE_TABLE[schedule].zero_bubble:
+        return
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if version < ZERO_BUBBLE_TORCH:
+        raise ConfigError(
+            "train.compile",
+            f"topology.schedule={schedule} splits the backward, which torch {torch.__version__} cannot do for "
+            "compiled blocks (torch 2.13 can); choose another topology.schedule (1f1b, interleaved_1f1b), "
+            "train.compile=false, or torch 2.13",
+        )
+
+
 def block_device(block: nn.Module) -> torch.device:
     param = next(block.parameters(), None)
     return param.device if param is not None else torch.device("cpu")

@@ -22,6 +22,7 @@ from rayhybrid.config.topology import Layout
 from rayhybrid.errors import TESTED_TORCH
 from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.spec import ModelSpec
+from rayhybrid.parallel.compile import check_compile
 from rayhybrid.parallel.float8 import check_float8, convert_blocks
 from rayhybrid.storage.store import one_line
 from rayhybrid.trainer.optim import build_optimizer
@@ -45,8 +46,10 @@ def build_stages(
     loss_parallel: bool,
 ) -> Stages:
     """The pipeline stages pipeline rank `pp_rank` owns, each keeping the full model's parameter
-    names. `train.float8` that cannot run on `device`: ConfigError before any is built."""
+    names. `train.float8` that cannot run on `device`, or `train.compile` with a schedule this
+    torch cannot run compiled: ConfigError before any is built."""
     check_float8(cfg.train.float8, device)
+    check_compile(cfg.train.compile, cfg.topology.schedule, cfg.topology.pp)
     ranges, stages = layout.stage_layers, []
     for i in layout.stages_of(pp_rank):
         stage = build_stage(
