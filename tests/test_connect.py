@@ -211,3 +211,32 @@ def _submit(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
         if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
             return proc
         time.sleep(2)
+
+
+@pytest.mark.slow
+def test_a_local_rays_workers_are_not_forwarded_the_settings_they_inherited(monkeypatch):
+    """The local Ray that `connect` starts hands the driver's environment to its workers: the
+    spawner forwards only the storage settings changed or added since (an actor without a
+    runtime environment can then take a worker process Ray started ahead)."""
+    import ray
+
+    from rayhybrid.cluster.connect import connect, inherited_env
+    from rayhybrid.cluster.spawn import Spawner
+    from rayhybrid.preflight import load_config
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://before")
+    assert not ray.is_initialized()
+    cfg = load_config(["cluster.num_cpus=1"])
+    assert connect(cfg)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://after")
+        monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "p")
+        assert Spawner(cfg, None, None).env == {"AWS_ENDPOINT_URL": "http://after", "GOOGLE_CLOUD_PROJECT": "p"}
+        got = ray.get(ray.remote(num_cpus=0)(lambda: os.environ.get("AWS_REGION")).remote())
+        assert got == "eu-west-1"  # inherited, not forwarded
+    finally:
+        ray.shutdown()
+    assert inherited_env() == {}
+    assert Spawner(cfg, None, None).env["AWS_REGION"] == "eu-west-1"  # no Ray of its own: forwarded

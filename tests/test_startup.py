@@ -91,3 +91,20 @@ def test_a_slow_first_batch_is_its_own_phase_and_the_phases_still_add_up(tmp_pat
     assert phases["first_step"] == pytest.approx(0.5, abs=0.05)
     assert sum(phases.values()) == pytest.approx(total, abs=0.001 * len(PHASES)), phases
     log.close("completed")
+
+
+def test_a_worker_imports_the_trainer_without_collecting_and_freezes_what_it_made():
+    """`warm_up` imports the trainer with the collector off (each full collection over what the
+    imports made would take ~0.2 s of CPU per rank), freezes it out of later collections, and
+    leaves the collector on as it was; a second call changes nothing."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, rayhybrid.cluster.worker as w; before = gc.get_stats()[2]['collections']; "
+        "w.TrainWorker.warm_up(None); frozen = gc.get_freeze_count(); w.TrainWorker.warm_up(None); "
+        "print(gc.get_stats()[2]['collections'] - before, frozen > 100_000, gc.get_freeze_count() == frozen, "
+        "gc.isenabled())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["0", "True", "True", "True"], out.stdout + out.stderr

@@ -16,9 +16,13 @@ from rayhybrid.cluster.placement import ReplicaShape, alive_nodes, autoscaled
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage.store import one_line
+from rayhybrid.storage.store import forwarded_env, one_line
 
 log = logging.getLogger(__name__)
+
+_LOCAL: tuple[str, dict[str, str]] | None = None
+"""The local Ray that `connect` started last (its GCS address) and the storage settings
+(`forwarded_env`) its processes inherited from the driver's environment."""
 
 
 def connect(cfg: Config) -> bool:
@@ -36,6 +40,8 @@ def connect(cfg: Config) -> bool:
     # Ray warns on every local start that token authentication (its default) is on; keep the
     # default and the terminal quiet (RAY_AUTH_MODE still chooses).
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    global _LOCAL
+    inherited = forwarded_env()  # the raylet, and so every worker, starts with this environment
     ray.init(
         address="local",  # always a fresh local Ray, never a stray `ray start` cluster
         num_cpus=num_cpus,
@@ -45,7 +51,17 @@ def connect(cfg: Config) -> bool:
         log_to_driver=True,
         _system_config=local_system_config(cfg),
     )
+    _LOCAL = (ray.get_runtime_context().gcs_address, inherited)
     return True
+
+
+def inherited_env() -> dict[str, str]:
+    """The storage settings the workers of the current Ray have without being forwarded: those
+    of the driver's environment when `connect` started this Ray locally (its workers inherit
+    it); none for a Ray the run joined or did not start."""
+    if _LOCAL is None or not ray.is_initialized() or ray.get_runtime_context().gcs_address != _LOCAL[0]:
+        return {}
+    return dict(_LOCAL[1])
 
 
 def local_system_config(cfg: Config) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ray
 
 from rayhybrid.cluster import code
+from rayhybrid.cluster.connect import inherited_env
 from rayhybrid.cluster.drain import stop
 from rayhybrid.cluster.placement import ReplicaShape
 from rayhybrid.cluster.reservation import Reservation
@@ -26,8 +27,11 @@ class Spawner:
         self.reservation = reservation
         # The actor class (a test may probe with another), answering pings while it trains.
         self.actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(actor_cls)
-        # The driver's storage settings (AWS_*, GOOGLE_*, ...), for nodes started without them.
-        self.env = forwarded_env()
+        # The driver's storage settings (AWS_*, GOOGLE_*, ...), for nodes started without them;
+        # not those a local Ray's workers inherited already: an actor with no runtime
+        # environment can take one of the worker processes Ray started ahead, instead of a new one.
+        inherited = inherited_env()
+        self.env = {k: v for k, v in forwarded_env().items() if inherited.get(k) != v}
         # The model's code for nodes without it (cluster.code), its sizes checked before
         # anything is placed; uploaded when actors start (rayhybrid/cluster/code.py).
         self.code = code.shipment(cfg)

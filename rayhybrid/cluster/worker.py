@@ -39,6 +39,22 @@ def own_gpus() -> tuple[str, ...]:
     return tuple(str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
 
 
+def import_trainer() -> None:
+    """Import the trainer once, with the collector off: the imports make ~300,000 long-lived
+    objects, and each full collection they would trigger walks them all (~0.2 s of CPU each, a
+    quarter of the imports' time); once made, they are frozen out of every later collection."""
+    if "rayhybrid.trainer.loop" in sys.modules:
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        import rayhybrid.trainer.loop  # noqa: F401
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
+
+
 CONTROL = "control"  # the concurrency group that answers while a step is blocked
 
 
@@ -81,8 +97,7 @@ class TrainWorker:
     def warm_up(self) -> None:
         """Import the trainer, so that the ranks reach the rendezvous of `setup` together (a new
         worker would be seconds behind)."""
-        import rayhybrid.trainer.loop  # noqa: F401
-
+        import_trainer()
         startup.mark("imports")
 
     def placement(self, visible_gpus: tuple[str, ...] = ()) -> dict:
