@@ -240,13 +240,13 @@ class RunLog:
         self.clock.mark("first_batch", now=self.clock.last + min(first, max(0.0, first_batch_s)))
         self.clock.mark("first_step")
         s.startup, s.startup_s = self.clock.ordered(), round(self.clock.last - self.clock.since, 3)
-        floor = s.workers["loss_floor"]
+        floor, params = s.workers.get("loss_floor"), s.workers.get("params")  # none before `workers`
         log.info(
             "started %d workers, first step done in %.1fs (%s); %s parameters; run dir %s%s",
             workers,
             s.startup_s,
             ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}" for name, seconds in s.startup.items()),
-            f"{s.workers['params']:,}",
+            f"{params:,}" if params is not None else "?",
             self.dir,
             f"; data loss floor {floor:.4f}" if floor is not None else "",
         )
