@@ -132,3 +132,20 @@ def test_zero_bubble_schedules_compiled_need_torch_2_13(monkeypatch):
     check_compile(False, "zbv", 2)
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     check_compile(True, "interleaved_zb", 2)
+
+
+def test_a_cpu_without_the_compiler_inductor_would_use_is_refused_in_one_line(monkeypatch):
+    """Inductor builds C++ with $CXX when it is set, else g++/clang++: a missing one is said at
+    build time, naming the setting, not deep in the first step."""
+    from rayhybrid.errors import ConfigError
+    from rayhybrid.parallel.compile import check_compiler
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with pytest.raises(ConfigError, match=r"train\.compile: \$CXX=no-such-compiler-here is not found"):
+        check_compiler(cpu)
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(ConfigError, match=r"train\.compile: inductor's CPU backend needs a C\+\+ compiler"):
+        check_compiler(cpu)
+    check_compiler(torch.device("meta"))  # not a CPU: nothing to build here

@@ -69,7 +69,13 @@ def check_compiler(device: torch.device) -> None:
     if device.type != "cpu":
         return
     wanted = os.environ.get("CXX")
-    if wanted and shutil.which(wanted) or any(shutil.which(c) for c in COMPILERS):
+    if wanted:  # inductor builds with $CXX when it is set: that one must be there
+        if shutil.which(wanted):
+            return
+        raise ConfigError(
+            "train.compile", f"$CXX={wanted} is not found on this node; fix or unset CXX, or set train.compile=false"
+        )
+    if any(shutil.which(c) for c in COMPILERS):
         return
     raise ConfigError(
         "train.compile",
