@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from rayhybrid.data.samples import SampleStream
+from rayhybrid.data.samples import SampleStream, inputs_and_targets
 
 Key = tuple[int, int]
 
@@ -47,7 +47,7 @@ class DeviceFeed:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self.copies)
             data.record_stream(current)  # allocated on the copy stream, used on this one
-        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        return inputs_and_targets(data)
 
     def ahead(self, upcoming: list[Key]) -> None:
         """Read `upcoming` in the background, drop whatever else was read or copied ahead, and

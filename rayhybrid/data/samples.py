@@ -22,6 +22,12 @@ import numpy as np
 import torch
 
 
+def inputs_and_targets(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of seq_len + 1 token ids as (inputs, targets), each [rows, seq_len]: every token but
+    the last, and every token but the first (the next token of each input)."""
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
 class SampleStream:
     """Base class: `batch(start, count)` returns (inputs, targets), each [count, seq_len] int64.
     A kind defines `rows` (all of a batch at once) or `sample` (one row); each falls back on
@@ -54,8 +60,7 @@ class SampleStream:
         return future.result() if future is not None else self.tensor(start, count)
 
     def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        data = self.take(start, count)
-        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        return inputs_and_targets(self.take(start, count))
 
     def prefetch(self, start: int, count: int) -> None:
         """Start reading samples [start, start + count) in the background, one batch after
