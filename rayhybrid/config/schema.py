@@ -19,6 +19,11 @@ FLOAT8_MODES = ("false", "true", "emulate")
 """train.float8: off, float8 matmuls (a GPU of CUDA capability 8.9+), torchao's emulation."""
 
 
+def float8_mode(value: object) -> str:
+    """`train.float8` as one of FLOAT8_MODES (the command line's `true` arrives as bool True)."""
+    return str(value).lower()
+
+
 def every_n(every: int, step: int, steps: int) -> bool:
     """An `every` setting: due after every `every`-th step and after the last (0: never)."""
     return every > 0 and (step % every == 0 or step == steps)

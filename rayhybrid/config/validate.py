@@ -10,7 +10,7 @@ ever place) by the cluster package once it can see the cluster.
 
 from __future__ import annotations
 
-from rayhybrid.config.schema import DTYPES, FLOAT8_MODES, SCHEDULES, Config
+from rayhybrid.config.schema import DTYPES, FLOAT8_MODES, SCHEDULES, Config, float8_mode
 from rayhybrid.config.topology import SCHEDULE_TABLE, Layout
 from rayhybrid.errors import ConfigError
 
@@ -105,7 +105,7 @@ def check(cfg: Config) -> None:
 def _float8(cfg: Config) -> None:
     """train.float8 is a known mode, and runs beside bfloat16 autocast (the rest of the block:
     attention, norms). Whether the device has float8 is the workers' to say."""
-    mode = str(cfg.train.float8).lower()  # the command line's `true` arrives as bool True
+    mode = float8_mode(cfg.train.float8)
     _choice("train.float8", mode, FLOAT8_MODES)
     if mode != "false" and cfg.train.dtype != "bfloat16":
         raise ConfigError(

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
+from rayhybrid.config.schema import float8_mode
 from rayhybrid.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -41,11 +42,6 @@ MIN_CAPABILITY = (8, 9)
 ALIGN = 16
 """float8 matmuls (torch._scaled_mm) need both sizes of each operand a multiple of 16."""
 _NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
-def float8_mode(value: object) -> str:
-    """`train.float8` as one of `rayhybrid.config.schema.FLOAT8_MODES` (the command line's `true` arrives as bool True)."""
-    return str(value).lower()
 
 
 class _ToDebug(logging.Handler):
