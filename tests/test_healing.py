@@ -139,13 +139,12 @@ def test_failures_back_to_back_are_each_healed(tmp_path, reference_dir):
 
 
 def test_kill_during_the_join_of_a_recovery_leaves_at_once_and_heals(tmp_path, reference_dir):
-    """Rank 1 dies at step 5; half a second into the recovery's join, rank 2 is SIGKILLed from
-    outside (killed as the join begins, it passed too, 0 steps redone). The other ranks were
-    waiting for it in the rendezvous; the driver closes the rendezvous store, they leave at once, and the next recovery heals both
+    """Rank 1 dies at step 5; as the recovery's join begins, rank 2 is SIGKILLed from outside.
+    The other ranks wait for it in the rendezvous; the driver closes the rendezvous store, they leave at once, and the next recovery heals both
     ranks from the copies that rank 0 (tp0) and rank 3 (tp1) kept. Before, they stayed blocked
     for the join's timeout and were replaced, and the run went back to its checkpoint."""
     run_dir = tmp_path / "run"
-    with KillInJoin(run_dir, rank=2, nth=2, delay_s=0.5) as watch:
+    with KillInJoin(run_dir, rank=2, nth=2) as watch:
         thread, result = in_background([*TOPOLOGY, "fault.inject=[kill@5:1]"], run_dir)
         summary = finished(result, thread)
     assert watch.killed.is_set()

@@ -231,14 +231,18 @@ class Logged(logging.Handler):
 
 
 class KillInJoin(logging.Handler):
-    """SIGKILLs `rank` of the run in `run_dir` `delay_s` after the driver starts the `nth` join
-    of its worker group (the moment it calls every rank's setup), counting joins from the first
-    driver line containing `after` (None: from the start). Use it `with` the run: it listens to
-    the driver's "rayhybrid" logger, the group's join lines (debug) included."""
+    """SIGKILLs `rank` of the run in `run_dir` as the driver starts the `nth` join of its worker
+    group (every process is up; the driver is about to call every rank's setup), or `delay_s`
+    later, counting joins from the first driver line containing `after` (None: from the start).
+    With no delay the kill lands inside the join whatever the machine's speed: the rank never
+    runs its setup, and the others wait for it in the rendezvous. (A fixed delay raced the join:
+    a tiny model's setup and healing can end within half a second, and the kill then landed in
+    the next step.) Use it `with` the run: it listens to the driver's "rayhybrid" logger, the
+    group's join lines (debug) included."""
 
     JOIN = "joining a process group"
 
-    def __init__(self, run_dir: Path, rank: int, nth: int = 1, delay_s: float = 0.5, after: str | None = None):
+    def __init__(self, run_dir: Path, rank: int, nth: int = 1, delay_s: float = 0.0, after: str | None = None):
         super().__init__(logging.DEBUG)
         self.run_dir, self.rank, self.nth, self.delay_s, self.after = run_dir, rank, nth, delay_s, after
         self.joins, self.killed = 0, threading.Event()
@@ -249,7 +253,9 @@ class KillInJoin(logging.Handler):
             self.after = None  # armed
         elif self.after is None and self.JOIN in message:
             self.joins += 1
-            if self.joins == self.nth:
+            if self.joins == self.nth and self.delay_s <= 0:
+                self.kill()
+            elif self.joins == self.nth:
                 threading.Timer(self.delay_s, self.kill).start()
 
     def kill(self) -> None:
