@@ -202,7 +202,11 @@ class Trainer:
             "data_wait_s": self.data_wait_s,  # seconds this rank waited for its samples
             **({"data_read": self.data_read} if self.data_read is not None else {}),  # data.trace
             **(
-                {"peak_mb": self.memory.peaks_mb(), "activation_mb": self.memory.activation_mb()}
+                {
+                    "peak_mb": self.memory.peaks_mb(),
+                    "activation_mb": self.memory.activation_mb(),
+                    **({"reserved_mb": self.memory.reserved_mb()} if self.memory.cuda else {}),
+                }
                 if self.memory is not None
                 else {}
             ),
