@@ -65,6 +65,7 @@ class Record:
     step_time_s: float = 0.0
     cpu_s: float = 0.0  # the busiest rank's CPU seconds per step
     tokens_per_cpu_s: float = 0.0
+    allocated_mb: float | None = None  # CUDA: the most the allocator had allocated (peaks_mb: reserved)
 
     @property
     def peak_mb(self) -> float:
@@ -115,6 +116,7 @@ def record_of(point: Point, purpose: str, result: dict | None, error: bool = Fal
         step_time_s=float(result.get("step_time_s") or 0.0),
         cpu_s=float(result.get("cpu_s") or 0.0),
         tokens_per_cpu_s=float(result.get("tokens_per_cpu_s") or 0.0),
+        allocated_mb=float(result["allocated_peak_mb"]) if result.get("allocated_peak_mb") else None,
         **predictions,
     )
 
