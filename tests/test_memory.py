@@ -144,4 +144,6 @@ def test_on_cuda_the_meter_reports_the_allocators_reserved_peaks_beside_the_allo
         stats.update(allocated=30 * MB, reserved=50 * MB)
     assert meter.peaks_mb() == {"stage0/backward": 30.0, "stage0/forward": 10.0}
     assert meter.reserved_mb() == {"stage0/backward": 50.0, "stage0/forward": 12.0}
-    assert MemoryMeter(torch.device("cpu"), [], []).reserved_mb() == {}
+    assert meter.step_metrics()["reserved_mb"] == meter.reserved_mb()  # the step record's figures
+    cpu = MemoryMeter(torch.device("cpu"), [], [])
+    assert cpu.reserved_mb() == {} and "reserved_mb" not in cpu.step_metrics()

@@ -168,6 +168,11 @@ class MemoryMeter:
     def peaks_mb(self) -> dict[str, float]:
         return {label: value / MB for label, value in sorted(self.peaks.items())}
 
+    def step_metrics(self) -> dict[str, dict[str, float]]:
+        """The step record's memory figures: `peak_mb`, `activation_mb`, and on CUDA `reserved_mb`."""
+        out = {"peak_mb": self.peaks_mb(), "activation_mb": self.activation_mb()}
+        return out | ({"reserved_mb": self.reserved_mb()} if self.cuda else {})
+
     def reserved_mb(self) -> dict[str, float]:
         """CUDA only ({} on CPU, where tensors are counted without an allocator): the caching
         allocator's reserved peak of each phase."""
