@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rayhybrid.plan import allocator
 from rayhybrid.plan.dry_run import build_plan
 from rayhybrid.plan.peak_memory import rank_memory
@@ -76,6 +78,11 @@ def test_the_plan_device_defaults_from_the_backend_and_the_cli_chooses_it():
     assert build_plan(on_gpu, device="cpu")["memory"]["device"] == "cpu"
     plan = build_plan(cfg, device="cuda")["memory"]
     assert plan["max_reserved_mb"] > plan["max_mb"]
+    (mem,) = plan["per_pp_rank"]
+    parts = ("params", "grads", "optimizer", "activations", "pipeline_buffers", "transient", "batch")
+    parts += ("dp_buffers", "autocast_weights", "workspace")
+    assert sum(mem[f"{k}_mb"] for k in parts) == pytest.approx(mem["total_mb"]) and mem["workspace_mb"] == 64
+    assert mem["reserved_mb"] == plan["max_reserved_mb"]
     run = [sys.executable, "-m", "rayhybrid.plan", "--json", *SHAPE, "--device", "cuda"]
     out = subprocess.run(run, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["memory"]["device"] == "cuda"
