@@ -1,10 +1,10 @@
 """One GPU: rayhybrid against a plain PyTorch + transformers loop, Llama 3.2 1B, sequence 2048.
 
-    python benchmarks/run.py --only gpu      # about 8 minutes on one H100 or H200
+    python benchmarks/run.py --only gpu      # about 8.5 minutes on one H100 or H200
 
 Where CUDA is absent it measures nothing and says so (run.py then leaves BENCHMARKS.md's GPU
 section as it was). On a GPU, in this order, each a fresh process (or one per micro-batch for
-rayhybrid), within BUDGET_S of measuring in all:
+rayhybrid), within BUDGET_S of measuring in all, then MEMORY_BUDGET_S for the memory part:
 
 1. the loop (benchmarks/baselines/hf_loop.py: `LlamaForCausalLM` of the same config, sdpa,
    float32 weights under bfloat16 autocast, fused AdamW), eager, then with `torch.compile`;
@@ -22,7 +22,15 @@ run is compared at its best micro-batch. MFU: rayhybrid's own count for both (th
 summary.json's `startup_s` and `startup` phases when the run writes them, and the wall time from
 the command to the first step's record as watched from here.
 
-Expected duration: about 8 minutes on one H100 or H200 (7 of them the measuring budget, the
+3. the largest micro-batch that fits without activation checkpointing, for each of
+   MEMORY_SETTINGS (the chunked loss, the default; the whole batch's logits, `train.loss_chunk=0`;
+   the chunked loss with `train.offload_activations=true`): one `python -m rayhybrid.tune` each
+   (`tune.activation_checkpointing=[false]`, the card's memory as the budget), its memory trials,
+   tokens/s at the largest size, and the plan (`python -m rayhybrid.plan --device cuda`:
+   allocated and reserved) against the measured peaks (the allocator's max allocated and max
+   reserved) there (`memory_sweep`).
+
+Expected duration: about 8.5 minutes on one H100 or H200 (8 of them the measuring budgets, the
 rest the card probe and the runs' first points past it); a first run also fills torch's compile caches.
 """
 
@@ -43,7 +51,16 @@ HEADING = "## 9. One GPU: rayhybrid against a plain PyTorch + transformers loop"
 SHAPE = ["model=llama3.2_1b", "data=synthetic", "data.seq_len=2048", "train.dtype=bfloat16"]
 POINTS = (8, 12, 16)
 WARMUP, STEPS = 3, 5
-BUDGET_S = 420.0
+BUDGET_S = 240.0
+MEMORY_BUDGET_S = 240.0
+MEMORY_SETTINGS = (
+    ("chunked loss", []),
+    ("whole-batch loss", ["train.loss_chunk=0"]),
+    ("chunked loss + offload", ["train.offload_activations=true"]),
+)
+"""The settings whose largest micro-batch is measured: the default (the loss in chunks), the loss
+over the whole micro-batch's logits, and activations offloaded to host memory."""
+MEMORY_GOAL = 24  # issue 40: micro-batch 24 or more without checkpointing on an H200 (16 before)
 GOALS = {"speedup": 1.15, "mfu": 0.50, "startup_s": 12.0}
 LOOPS = (("loop, eager", []), ("loop, compiled", ["--compile"]))
 RAYHYBRID = (
@@ -77,7 +94,80 @@ def run(tmp: Path, quick: bool) -> dict:
         return {"skipped": "no CUDA device here (torch.cuda.is_available() is false)"}
     float8 = tuple(card["capability"]) >= (8, 9)
     runs = [*LOOPS, *(r for r in RAYHYBRID if float8 or "train.float8=true" not in r[1])]
-    return measure(tmp, card, SHAPE, POINTS[:1] if quick else POINTS, runs, BUDGET_S)
+    out = measure(tmp, card, SHAPE, POINTS[:1] if quick else POINTS, runs, BUDGET_S)
+    out["memory"] = memory_sweep(tmp, card, SHAPE, MEMORY_SETTINGS, MEMORY_BUDGET_S)
+    return out
+
+
+def memory_sweep(tmp: Path, card: dict, shape: list[str], settings, budget_s: float, extra=()) -> dict:
+    """For each of `settings` ((label, overrides)), one `python -m rayhybrid.tune` searching the
+    largest micro-batch without activation checkpointing (`memory_setting`), within `budget_s`
+    in all (each its share of what is left). `extra`: overrides for every run (a test's budget)."""
+    out = {"settings": {}, "budget_s": budget_s}
+    deadline = time.perf_counter() + budget_s
+    for i, (label, overrides) in enumerate(settings):
+        left = deadline - time.perf_counter()
+        if left < 20:
+            out["settings"][label] = {"extra": overrides, "error": "not run: the measuring budget was spent"}
+            continue
+        try:
+            result = memory_setting(tmp, card, [*shape, *overrides, *extra], label, left / (len(settings) - i))
+        except Exception as err:  # noqa: BLE001 - one failed setting must not lose the others
+            result = {"error": f"{type(err).__name__}: {err}"[-1500:]}
+        out["settings"][label] = {"extra": overrides, **result}
+    return out
+
+
+def memory_setting(tmp: Path, card: dict, overrides: list[str], label: str, budget_s: float) -> dict:
+    """One tune run's answer: the largest micro-batch, the memory trials it took, and at that size
+    tokens/s, the measured peaks (`peak_mb`: what limits the run, the reserved bytes on CUDA;
+    `allocated_mb`) and the plan's (`planned_mb`, `planned_reserved_mb` on CUDA)."""
+    import csv
+
+    slug = "".join(c if c.isalnum() else "-" for c in label)
+    args = [*overrides, "tune.activation_checkpointing=[false]", "tune.steps=3"]
+    start = time.perf_counter()
+    run = common.Run(args, tmp / f"tune-{slug}", module="rayhybrid.tune")
+    try:
+        run.proc.wait(timeout=max(60.0, budget_s + 30))
+    except subprocess.TimeoutExpired:
+        _stop(run.proc)
+        return {
+            "error": f"tune did not finish in {max(60.0, budget_s + 30):.0f} s",
+            "wall_s": time.perf_counter() - start,
+        }
+    run._reader.join(timeout=5)
+    summary_path = run.run_dir / "tune_summary.json"
+    if run.proc.returncode != 0 or not summary_path.exists():
+        return {"error": f"tune failed ({run.proc.returncode}): {''.join(run.output[-20:])}"[-1500:]}
+    summary = json.loads(summary_path.read_text())
+    with open(run.run_dir / "tune_results.csv") as f:
+        rows = list(csv.DictReader(f))
+    largest = summary["largest_micro_batch"].get("false")
+    at = [r for r in rows if int(r["micro_batch_size"]) == largest and int(r["num_microbatches"]) == 1]
+    at = [r for r in at if r["fits"] == "1"]
+    row = at[0] if at else {}
+    return {
+        "largest": largest,
+        "memory_trials": summary["memory_trials"].get("false"),
+        "trials": [(int(r["micro_batch_size"]), r["oom"] == "1", r["purpose"]) for r in rows],
+        "tokens_per_s": float(row["tokens_per_s"]) if row.get("tokens_per_s") else None,
+        "peak_mb": float(row["peak_mb"]) if row.get("peak_mb") else None,
+        "allocated_mb": float(row["allocated_peak_mb"]) if row.get("allocated_peak_mb") else None,
+        **(planned(overrides, largest, card) if largest else {}),
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def planned(overrides: list[str], mb: int, card: dict) -> dict:
+    """The plan of micro-batch `mb` (one micro-batch a step) on the card's device: its allocated
+    peak, and on CUDA its reserved one."""
+    from rayhybrid.plan.dry_run import build_plan
+    from rayhybrid.preflight import load_config
+
+    cfg = load_config([*overrides, f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}"])
+    memory = build_plan(cfg, device="cuda" if card.get("cuda") else "cpu")["memory"]
+    return {"planned_mb": memory["max_mb"], "planned_reserved_mb": memory["max_reserved_mb"]}
 
 
 def measure(tmp: Path, card: dict, shape: list[str], points, runs, budget_s: float, warmup=WARMUP, steps=STEPS) -> dict:
@@ -227,7 +317,8 @@ INTRO = (
     "8 if 8 does not fit) and is compared at its best; tokens/s over the steps after warm-up, MFU by rayhybrid's "
     "FLOP count for both (the model spec's `flops_per_token`). Goals: tokens/s at least 1.15x the compiled "
     "loop's, MFU at least 50%, start-up to the first step at most 12 s. `python benchmarks/run.py --only gpu` "
-    "takes about 8 minutes on one H100 or H200 (a 7-minute measuring budget shared out among the runs).\n\n"
+    "takes about 8.5 minutes on one H100 or H200 (a 4-minute measuring budget shared out among the runs, "
+    "4 minutes for the largest micro-batch per memory setting).\n\n"
 )
 
 
@@ -331,7 +422,66 @@ def section(r: dict) -> str:
         rows.append([_label(label, run), *cells, _memory(p.get("peak_mb")), fmt(startup, 1)])
     heads = ["run", "best micro-batch", "tokens/s", "/ compiled loop", "MFU", "peak memory", "start-up (s)"]
     out += table(heads, rows) + _goal_line(r) + _sweep_table(r) + _startup_lines(r)
-    return out
+    return out + _memory_section(r.get("memory"))
+
+
+def _vs(planned_mb, measured_mb) -> str:
+    """ "planned / measured (+x.x%)" in MB."""
+    if planned_mb is None or measured_mb is None:
+        return "n/a"
+    return f"{planned_mb:,.0f} / {measured_mb:,.0f} ({planned_mb / measured_mb - 1:+.1%})"
+
+
+def _memory_section(m: dict | None) -> str:
+    """The largest micro-batch per setting (`memory_sweep`'s results), against the goal."""
+    if not m or not m.get("settings"):
+        return ""
+    rows = []
+    for label, s in m["settings"].items():
+        name = label + (f" (`{' '.join(s['extra'])}`)" if s.get("extra") else "")
+        if s.get("largest") is None:
+            rows.append([name, "", "", "", "", "", _why_not(s)])
+            continue
+        trials = ", ".join(f"{mb}{' OOM' if oom else ''}" for mb, oom, purpose in s["trials"] if purpose == "memory")
+        rows.append(
+            [
+                name,
+                str(s["largest"]),
+                f"{s['memory_trials']} ({trials})",
+                f"{s['tokens_per_s']:,.0f}" if s.get("tokens_per_s") else "n/a",
+                _vs(s.get("planned_mb"), s.get("allocated_mb") or s.get("peak_mb")),
+                _vs(s.get("planned_reserved_mb"), s.get("peak_mb")) if s.get("planned_reserved_mb") else "n/a",
+                "",
+            ]
+        )
+    heads = [
+        "setting",
+        "largest micro-batch",
+        "memory trials (sizes)",
+        "tokens/s at it",
+        "planned / measured allocated (MB)",
+        "planned / measured reserved (MB)",
+        "note",
+    ]
+    chunked = m["settings"].get(MEMORY_SETTINGS[0][0], {}).get("largest")
+    goal = (
+        f"Goal: micro-batch {MEMORY_GOAL} or more without activation checkpointing with the chunked loss: "
+        + (f"**{chunked}**, {'met' if chunked >= MEMORY_GOAL else 'not met'}" if chunked else "not measured")
+        + " (16 before the chunked loss). At most 4 memory trials per setting.\n\n"
+    )
+    return (
+        "Largest micro-batch without activation checkpointing (`python -m rayhybrid.tune "
+        "tune.activation_checkpointing=[false]`, the card's memory as the budget, one micro-batch a step): "
+        "the trials the memory search took, tokens/s at the largest size, and the plan "
+        "(`python -m rayhybrid.plan --device cuda`) against the allocator's peaks there (max allocated; "
+        "max reserved, what must fit the card).\n\n" + table(heads, rows) + goal
+    )
+
+
+def _why_not(s: dict) -> str:
+    if "error" in s:
+        return "failed: " + s["error"].strip().splitlines()[-1][:200] if s["error"].strip() else "failed"
+    return "nothing fitted"
 
 
 def _sweep_table(r: dict) -> str:

@@ -130,9 +130,10 @@ def test_an_experiment_fits_its_gpus_by_the_plan(name, tmp_path):
     for dp in dps:
         plan = build_plan(with_dp(cfg, dp))
         assert plan["memory"]["device"] == "cuda"
-        worst = plan["memory"]["max_mb"]
-        assert 0 < worst <= budget, f"dp={dp}: {worst:,.0f} MiB predicted, over {budget:,.0f} ({name})"
-        assert max(plan["memory"]["per_rank_total_mb"]) == worst
+        # What must fit the card: the caching allocator's reserved peak (live bytes and its reserve).
+        worst = plan["memory"]["max_reserved_mb"]
+        assert 0 < worst <= budget, f"dp={dp}: {worst:,.0f} MiB reserved by the plan, over {budget:,.0f} ({name})"
+        assert max(plan["memory"]["per_rank_total_mb"]) == plan["memory"]["max_mb"] < worst
 
     if name == "gpt3_xl_elastic":
         # GPT-3 XL as in Brown et al. 2020: ~1M tokens a step, lr 2e-4, sequences of 2048.

@@ -123,3 +123,27 @@ def test_receiving_a_peer_heal_holds_no_second_copy_of_the_state():
     assert healed <= 1.10 * steady, f"receiving a heal peaked at {healed:.2f} MB against {steady:.2f} MB a step"
     assert receiver["step"] == 3
     assert all(torch.equal(receiver["state"][k], v) for k, v in sender["state"].items())
+
+
+def test_on_cuda_the_meter_reports_the_allocators_reserved_peaks_beside_the_allocated(monkeypatch):
+    """The CUDA path of MemoryMeter, with torch.cuda's statistics played by a fake allocator
+    (no GPU here): each phase's allocated and reserved peaks, reset when a phase starts."""
+    from rayhybrid.trainer.memory_meter import MB, MemoryMeter
+
+    stats = {"allocated": 0, "reserved": 0}
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda device=None: stats.update(allocated=0, reserved=0)
+    )
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: stats["reserved"])
+    meter = MemoryMeter(torch.device("cuda", 0), [], [])
+    with meter.step():
+        meter.phase(0, "forward")
+        stats.update(allocated=10 * MB, reserved=12 * MB)
+        meter.phase(0, "backward")
+        stats.update(allocated=30 * MB, reserved=50 * MB)
+    assert meter.peaks_mb() == {"stage0/backward": 30.0, "stage0/forward": 10.0}
+    assert meter.reserved_mb() == {"stage0/backward": 50.0, "stage0/forward": 12.0}
+    assert meter.step_metrics()["reserved_mb"] == meter.reserved_mb()  # the step record's figures
+    cpu = MemoryMeter(torch.device("cpu"), [], [])
+    assert cpu.reserved_mb() == {} and "reserved_mb" not in cpu.step_metrics()

@@ -316,6 +316,7 @@ def test_memory_parts_add_up_and_follow_the_schedule():
             "batch",
             "dp_buffers",
             "autocast_weights",
+            "workspace",
         )
         assert sum(mem[f"{k}_mb"] for k in parts) == pytest.approx(mem["total_mb"])
         assert mem["in_flight"] == {str(mem["pp_rank"]): 4}  # GPipe: every micro-batch

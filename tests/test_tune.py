@@ -234,3 +234,14 @@ def test_best_yaml_and_the_printed_command_train(tuned, tmp_path):
 def test_bad_input_exits_2_with_one_line(tmp_path, args, words):
     proc = run_cli([*args, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120, module="rayhybrid.tune")
     assert_one_line_error(proc, *words)
+
+
+def test_a_trial_is_limited_by_the_reserved_peaks_where_the_allocator_reports_them():
+    from rayhybrid.tune.trials import limiting_peaks, out_of_memory
+
+    cpu = [{"peak_mb": {"rank0/stage0/backward": 10.0}}, {"peak_mb": {"rank0/stage0/backward": 12.0}}]
+    assert limiting_peaks(cpu) == {"rank0/stage0/backward": 12.0}
+    cuda = [{"peak_mb": {"rank0/stage0/backward": 10.0}, "reserved_mb": {"rank0/stage0/backward": 14.0}}]
+    assert limiting_peaks(cuda) == {"rank0/stage0/backward": 14.0}
+    assert out_of_memory("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB")
+    assert out_of_memory("RuntimeError: CUDA out of memory.") and not out_of_memory("RuntimeError: NCCL timeout")

@@ -352,3 +352,45 @@ def test_the_global_batch_to_keep():
     assert fixed("tune.global_batch_size=48") == 48
     assert fixed("train.global_batch_size=24", "tune.search=layout") == 24
     assert fixed("tune.global_batch_size=32", "tune.search=layout") == 32
+
+
+H200_MB = 143_156.0  # usable, issue 40
+H200_PER_SAMPLE_MB = 6_550.0  # measured max_memory_allocated growth, Llama 3.2 1B, seq 2048, bfloat16
+H200_BASE_MB = 69_006.0 - 8 * H200_PER_SAMPLE_MB  # so that micro-batch 8 is the measured 69,006 MB
+
+
+@pytest.mark.parametrize(
+    "fragmentation_per_sample, answer",
+    # Reserved = allocated (the issue's line), then reserved = allocated + one segment of the
+    # float32 logits (2048 x 128,256 x 4 B a sample: the planner's fragmentation reserve), which
+    # puts the edge between 16 (trained on the H200) and 17 (ran out of memory there).
+    [(0.0, 19), (2048 * 128_256 * 4 / 2**20, 16)],
+)
+def test_the_h200_figures_take_at_most_four_trials_from_the_cuda_plans_probes(fragmentation_per_sample, answer):
+    """A simulated H200: peaks grow 6,550 MB a sample above a base; a trial whose reserved peak
+    passes 143,156 MB runs out of memory and reports no figures, as on the card. The probes are
+    the ones `python -m rayhybrid.tune` places from the CUDA plan of Llama 3.2 1B (its reserved
+    peaks); the first must be one the plan says fits with the margin."""
+    from rayhybrid.preflight import load_config
+    from rayhybrid.tune import space
+
+    cfg = load_config(["model=llama3.2_1b", "data=synthetic", "data.seq_len=2048", "train.dtype=bfloat16"])
+
+    def point(m: int) -> dict:
+        return {"micro_batch_size": m, "num_microbatches": 1, "activation_checkpointing": False}
+
+    limit = H200_MB * 0.99
+    largest = space.largest_planned(cfg, point, limit, cap=64, cuda=True)
+    probes = space.planned_probes(largest, (1, 2))
+    assert space.planned_peak_mb(space.trial_config(cfg, point(probes[0])), cuda=True) <= limit
+    assert largest == 16  # the reserved plan: 17 is over the card (it ran out of memory there)
+
+    def reserved(m: int) -> float:
+        return H200_BASE_MB + (H200_PER_SAMPLE_MB + fragmentation_per_sample) * m
+
+    s = MicroBatchSearch(budget_mb=H200_MB, probes=probes, margin=0.01)
+    while (m := s.next()) is not None:
+        oom = reserved(m) > H200_MB
+        s.observe(m, {} if oom else {"rank0/stage0/backward": reserved(m)}, oom)
+    assert s.best == answer == max(m for m in range(1, 64) if reserved(m) <= H200_MB)
+    assert len(s.trials) <= 4, [(t.micro_batch_size, t.oom) for t in s.trials]

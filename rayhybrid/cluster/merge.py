@@ -28,7 +28,8 @@ def _merge(step: list[tuple[int, dict]], dp: int, replica_size: int) -> StepMetr
     metrics = dict(next((m for _, m in step if "loss" in m), step[0][1]))
     metrics["samples"] = _samples(step, metrics, dp, replica_size)
     metrics.pop("samples_read", None)
-    for name in ("peak_mb", "activation_mb"):  # metrics.memory: every rank's, "rank<r>/stage<s>/<phase>"
+    # metrics.memory: every rank's, "rank<r>/stage<s>/<phase>" (reserved_mb: CUDA's allocator only)
+    for name in ("peak_mb", "activation_mb", "reserved_mb"):
         if name in metrics:
             metrics[name] = {f"rank{rank}/{key}": mb for rank, m in step for key, mb in m.get(name, {}).items()}
     # The longest any rank waited for its samples: the step waited that long.

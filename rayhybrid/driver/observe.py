@@ -86,7 +86,7 @@ class Observer(Reporter):
             summary["mfu"] = round(sum(mfu) / len(mfu), 6) if mfu else None
             bubbles = [m["bubble"] for m in steady if m.get("bubble") is not None]
             summary["mean_bubble"] = round(sum(bubbles) / len(bubbles), 4) if bubbles else None
-            for name in ("peak_mb", "activation_mb"):
+            for name in ("peak_mb", "activation_mb", "reserved_mb"):
                 if any(m.get(name) for m in history):
                     summary[f"{name}_by_stage"] = _by_stage([m[name] for m in history if m.get(name)])
         summary["flops_per_token"] = self.flops_per_token

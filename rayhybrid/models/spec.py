@@ -99,6 +99,12 @@ class MemoryModel(Protocol):
         `vocab_local`: the logit columns a rank holds."""
         ...
 
+    def cuda_not_saved(self, cfg: Any, tp: int, dtype: str) -> tuple[int, int]:
+        """Per sample, (in one block, after the blocks): bytes `block_bytes` and `head_bytes`
+        count (as the CPU meter measures them) that CUDA's kernels do not save, e.g. a fused
+        normalisation's intermediates. Optional: a model without it is counted as on CPU."""
+        ...
+
     def block_transient(self, cfg: Any, tp: int, dtype: str) -> int:
         """Per sample: the largest short-lived tensors of one block's backward (the MLP hidden
         state's gradient and the weight gradient made whole before it is accumulated),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout, Topology
+from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import BUILTIN, settings_of
 from rayhybrid.plan import estimate as est
 from rayhybrid.plan.peak_memory import rank_memory
@@ -11,9 +12,25 @@ from rayhybrid.plan.peak_memory import rank_memory
 MB = est.MB
 
 
-def build_plan(cfg: Config, placement: dict | None = None) -> dict:
+DEVICES = ("cpu", "cuda")
+
+
+def plan_device(cfg: Config, placement: dict | None = None, device: str | None = None) -> str:
+    """The device the memory plan is for: `device` when given ("cpu" or "cuda"), else GPUs when
+    the cluster placed the ranks on them, or cluster.use_gpu=true; else CPU."""
+    if device is not None:
+        if device not in DEVICES:
+            raise ConfigError("--device", f"is cpu or cuda, got {device!r}")
+        return device
+    if placement:
+        return "cuda" if placement["device"] == "GPU" else "cpu"
+    return "cuda" if str(cfg.cluster.use_gpu).lower() == "true" else "cpu"
+
+
+def build_plan(cfg: Config, placement: dict | None = None, device: str | None = None) -> dict:
     """The plan of `cfg` as one JSON-able dict (`python -m rayhybrid.plan --json`); `placement`:
-    where a cluster put the ranks (rayhybrid/plan/trial_placement.py), or None."""
+    where a cluster put the ranks (rayhybrid/plan/trial_placement.py), or None; `device`: the
+    memory plan's device ("cpu", "cuda"; None: `plan_device`'s default)."""
     t, model = cfg.topology, cfg.model
     topo = Topology(t.dp, t.pp, t.tp)
     all_stages = est.stages(cfg)
@@ -23,9 +40,9 @@ def build_plan(cfg: Config, placement: dict | None = None) -> dict:
     # model.module) lists no parameter tensors: no per-stage counts, memory or communication.
     modelled = est.has_memory_model(cfg)
     parameters = _parameters(cfg, all_stages, owned, modelled)
-    # AdamW's temporaries differ between CPU (for-loop) and CUDA (foreach): GPUs when the
-    # cluster has them (or cluster.use_gpu=true).
-    cuda = placement["device"] == "GPU" if placement else str(cfg.cluster.use_gpu).lower() == "true"
+    # What autograd saves (fused kernels), AdamW's temporaries (for-loop against foreach), the
+    # allocator's reserve: CUDA's differ from CPU's.
+    cuda = plan_device(cfg, placement, device) == "cuda"
     memory = _memory(cfg, topo, cuda) if modelled else None
     comm = {r: est.communication(cfg, r) for r in range(t.pp)} if modelled else {}
     bubble = _bubble(cfg)
@@ -74,6 +91,8 @@ def _memory(cfg: Config, topo: Topology, cuda: bool) -> dict:
         "per_pp_rank": [memory[r].as_dict() for r in range(topo.pp)],
         "per_rank_total_mb": [memory[topo.coord(r).pp].total / MB for r in range(topo.world_size)],
         "max_mb": max(mem.total for mem in memory.values()) / MB,
+        # CUDA: what the caching allocator reserves at the peak, what must fit the card.
+        "max_reserved_mb": max(mem.reserved for mem in memory.values()) / MB if cuda else None,
     }
 
 
@@ -356,7 +375,7 @@ def _memory_lines(memory: dict) -> list[str]:
     header = ["pp rank", "params", "grads", "optimizer", "activations", "buffers", "transient", "other", "total"]
     rows = []
     for mem in memory["per_pp_rank"]:
-        other = mem["batch_mb"] + mem["dp_buffers_mb"] + mem["autocast_weights_mb"]
+        other = mem["batch_mb"] + mem["dp_buffers_mb"] + mem["autocast_weights_mb"] + mem["workspace_mb"]
         parts = ("params", "grads", "optimizer", "activations", "pipeline_buffers", "transient")
         rows.append(
             [mem["pp_rank"], *(_mb(mem[f"{k}_mb"]) for k in parts), _mb(other), _mb(mem["total_mb"]), mem["peak_at"]]
@@ -368,7 +387,14 @@ def _memory_lines(memory: dict) -> list[str]:
     out.append(
         "  buffers: pipeline receive buffers, kept logits and sends; "
         "other: batch, data-parallel copies, autocast copies"
+        + (", cuBLAS workspaces" if memory["device"] == "cuda" else "")
     )
+    if memory["device"] == "cuda":
+        reserved = ", ".join(_mb(mem["reserved_mb"]) for mem in memory["per_pp_rank"])
+        out.append(
+            f"  reserved (CUDA caching allocator: rounding + one largest block of fragmentation), MB by pp rank: "
+            f"{reserved}; a card must hold this"
+        )
     return out + [f"  note: {n}" for n in notes]
 
 

@@ -69,17 +69,33 @@ def vocab_local(cfg: Config, tp: int | None = None, loss_parallel: bool | None =
 # Activations saved for backward, per sample (the hand count checked by tests/test_memory.py)
 
 
-def block_bytes(cfg: Config, tp: int | None = None, dtype: str | None = None) -> int:
+def cuda_not_saved(cfg: Config, tp: int | None = None, dtype: str | None = None) -> tuple[int, int]:
+    """Per sample, (in one block, after the blocks): what the CPU count keeps that CUDA's
+    kernels do not (the model's memory model's `cuda_not_saved`; (0, 0) without one)."""
+    less = getattr(memory_model(cfg), "cuda_not_saved", None)
+    return less(cfg, _t(cfg, tp), _dtype(cfg, dtype)) if less is not None else (0, 0)
+
+
+def block_bytes(cfg: Config, tp: int | None = None, dtype: str | None = None, device: str = "cpu") -> int:
     """What autograd keeps for backward per sample in one block (the model's memory model;
-    the GPT's is counted in rayhybrid/models/gpt/memory.py)."""
-    return memory_model(cfg).block_bytes(cfg, _t(cfg, tp), _dtype(cfg, dtype))
+    the GPT's is counted in rayhybrid/models/gpt/memory.py); `device` "cuda": less what CUDA's
+    fused kernels do not keep (`cuda_not_saved`)."""
+    less = cuda_not_saved(cfg, tp, dtype)[0] if device == "cuda" else 0
+    return memory_model(cfg).block_bytes(cfg, _t(cfg, tp), _dtype(cfg, dtype)) - less
 
 
-def head_bytes(cfg: Config, tp: int | None = None, dtype: str | None = None, loss_parallel: bool | None = None) -> int:
+def head_bytes(
+    cfg: Config,
+    tp: int | None = None,
+    dtype: str | None = None,
+    loss_parallel: bool | None = None,
+    device: str = "cpu",
+) -> int:
     """Per sample after the blocks: the final norm, the log-softmax of the logits (float32), the
-    targets (the model's memory model)."""
+    targets (the model's memory model); `device` as for `block_bytes`."""
     v = vocab_local(cfg, tp, loss_parallel)
-    return memory_model(cfg).head_bytes(cfg, _t(cfg, tp), _dtype(cfg, dtype), v)
+    less = cuda_not_saved(cfg, tp, dtype)[1] if device == "cuda" else 0
+    return memory_model(cfg).head_bytes(cfg, _t(cfg, tp), _dtype(cfg, dtype), v) - less
 
 
 def saved_bytes_per_sample(cfg: Config, tp: int | None = None, dtype: str | None = None) -> int:

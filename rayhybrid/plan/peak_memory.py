@@ -18,6 +18,7 @@ from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
 from rayhybrid.models.spec import ParamTensor
 from rayhybrid.models.spec import ceil_div as _ceil
+from rayhybrid.plan import allocator
 from rayhybrid.plan.estimate import (
     BF16,
     FLOAT,
@@ -34,6 +35,13 @@ from rayhybrid.plan.estimate import (
     vocab_local,
 )
 from rayhybrid.plan.schedule import rank_actions
+
+CUBLAS_WORKSPACE = 32 * MB
+"""cuBLAS's workspace per handle and stream on Hopper (torch's default, CUBLAS_WORKSPACE_CONFIG
+:4096:8; cuBLASLt shares it), allocated through the caching allocator and kept: one for the
+forward's thread, one for the autograd engine's (backward runs on its own thread, with its
+own handle). On an H200 the measured peaks sat 64 MB above the tensor count, for the GPT and
+Llama alike. Cards before Hopper take 8.125 MiB each (the plan is then 48 MB high)."""
 
 
 @dataclass
@@ -71,6 +79,8 @@ class RankMemory:
     notes: list[str] = field(default_factory=list)
     saved_peak: int = 0  # most bytes saved for backward at any point of the step (with the kept logits)
     max_in_flight: dict[int, int] = field(default_factory=dict)  # most micro-batches in flight per stage
+    workspace: int = 0  # CUDA: cuBLAS's workspaces, allocated once through the caching allocator
+    reserved: int = 0  # CUDA: what the caching allocator holds at the peak (rayhybrid/plan/allocator.py)
 
     @property
     def total(self) -> int:
@@ -84,6 +94,7 @@ class RankMemory:
             + self.batch
             + self.dp_buffers
             + self.autocast_weights
+            + self.workspace
         )
 
     def as_dict(self) -> dict:
@@ -97,6 +108,7 @@ class RankMemory:
             "batch",
             "dp_buffers",
             "autocast_weights",
+            "workspace",
             "total",
         )
         return {
@@ -108,6 +120,7 @@ class RankMemory:
             "in_flight": {str(k): v for k, v in self.in_flight.items()},
             "saved_peak_mb": self.saved_peak / MB,
             "max_in_flight": {str(k): v for k, v in self.max_in_flight.items()},
+            "reserved_mb": self.reserved / MB if self.reserved else None,
             "notes": self.notes,
         }
 
@@ -126,12 +139,16 @@ def _loss_parallel(cfg: Config) -> bool:
     return t.tp > 1 and t.use_loss_parallel(cfg.model.vocab_size)
 
 
-def saved_activations(cfg: Config, stage: Stage) -> tuple[int, int]:
+def _device(cuda: bool) -> str:
+    return "cuda" if cuda else "cpu"
+
+
+def saved_activations(cfg: Config, stage: Stage, cuda: bool = False) -> tuple[int, int]:
     """(held, head): what one micro-batch saves for backward on `stage`, and the head's part of
-    it (freed before the blocks' backward)."""
+    it (freed before the blocks' backward); `cuda`: as CUDA's kernels save it."""
     b, bsd = cfg.train.micro_batch_size, _bsd(cfg)
-    block = b * block_bytes(cfg)
-    head = b * head_bytes(cfg) if stage.last else 0
+    block = b * block_bytes(cfg, device=_device(cuda))
+    head = b * head_bytes(cfg, device=_device(cuda)) if stage.last else 0
     if cfg.train.activation_checkpointing:
         held = len(stage.layers) * bsd  # each block keeps only its input
     else:
@@ -177,14 +194,14 @@ def backward_transients(cfg: Config, stage: Stage) -> tuple[int, int, int]:
     return head_tr, out_tr, emb_tr
 
 
-def block_transient(cfg: Config, stage: Stage) -> int:
+def block_transient(cfg: Config, stage: Stage, cuda: bool = False) -> int:
     """The short-lived tensors of one block's backward (with checkpointing: the block's
     activations, recomputed, too)."""
     tp, tr = cfg.topology.tp, cfg.train
     mem = memory_model(cfg)
     block_tr = tr.micro_batch_size * mem.block_transient(cfg, tp, tr.dtype) + mem.weight_transient(cfg, tp)
     if tr.activation_checkpointing:
-        block_tr += tr.micro_batch_size * block_bytes(cfg)  # one block's activations, recomputed
+        block_tr += tr.micro_batch_size * block_bytes(cfg, device=_device(cuda))  # one block's, recomputed
         if tr.dtype == "bfloat16" and len(stage.layers):
             # The recomputation casts the block's matrices to bfloat16 again (outside the
             # step's autocast cache).
@@ -217,13 +234,13 @@ def gradient_extra(cfg: Config, stage: Stage) -> int:
     return FLOAT * (emb.numel - emb.local_numel(cfg.topology.tp))
 
 
-def stage_cost(cfg: Config, stage: Stage, remote_prev: bool, remote_next: bool) -> _StageCost:
+def stage_cost(cfg: Config, stage: Stage, remote_prev: bool, remote_next: bool, cuda: bool = False) -> _StageCost:
     """What `stage` costs per micro-batch; `remote_prev`/`remote_next`: its neighbours run on
-    another pipeline rank (their boundaries are sent)."""
+    another pipeline rank (their boundaries are sent); `cuda`: saved as CUDA's kernels save."""
     tr = cfg.train
     bsd = _bsd(cfg)
     act = BF16 if tr.dtype == "bfloat16" else FLOAT
-    held, head = saved_activations(cfg, stage)
+    held, head = saved_activations(cfg, stage, cuda)
     head_tr, out_tr, emb_tr = backward_transients(cfg, stage)
     kept_logits = stage.last and cfg.topology.pp > 1
     return _StageCost(
@@ -233,7 +250,7 @@ def stage_cost(cfg: Config, stage: Stage, remote_prev: bool, remote_next: bool) 
         fwd_transient=forward_transient(cfg, stage),
         head_transient=head_tr,
         output_transient=out_tr,
-        block_transient=block_transient(cfg, stage),
+        block_transient=block_transient(cfg, stage, cuda),
         embedding_transient=emb_tr,
         w_intermediates=zero_bubble_intermediates(cfg, stage),
         logits=tr.micro_batch_size * cfg.data.seq_len * vocab_local(cfg) * act if kept_logits else 0,
@@ -243,7 +260,7 @@ def stage_cost(cfg: Config, stage: Stage, remote_prev: bool, remote_next: bool) 
     )
 
 
-def stage_costs(cfg: Config, pp_rank: int, all_stages: list[Stage]) -> dict[int, _StageCost]:
+def stage_costs(cfg: Config, pp_rank: int, all_stages: list[Stage], cuda: bool = False) -> dict[int, _StageCost]:
     """The cost of every stage pipeline rank `pp_rank` holds, by global stage id."""
     owner = stage_owners(cfg)
     costs = {}
@@ -251,7 +268,7 @@ def stage_costs(cfg: Config, pp_rank: int, all_stages: list[Stage]) -> dict[int,
         st = all_stages[sid]
         remote_prev = not st.first and owner[sid - 1] != pp_rank
         remote_next = not st.last and owner[sid + 1] != pp_rank
-        costs[sid] = stage_cost(cfg, st, remote_prev, remote_next)
+        costs[sid] = stage_cost(cfg, st, remote_prev, remote_next, cuda)
     return costs
 
 
@@ -382,6 +399,7 @@ class Resident:
     batch: int
     dp_copies: DataParallelCopies
     autocast_weights: int
+    workspace: int = 0
 
 
 _ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "backward (weights)"}
@@ -438,6 +456,7 @@ class ScheduleWalk:
             batch=res.batch,
             dp_buffers=res.dp_copies.bytes,
             autocast_weights=res.autocast_weights,
+            workspace=res.workspace,
             peak_at=where,
             in_flight=dict(self.held),
         )
@@ -487,7 +506,7 @@ class ScheduleWalk:
 
 
 def optimizer_step_memory(
-    cfg: Config, pp_rank: int, state: WeightsAndOptimizer, pipeline_buffers: int, cuda: bool
+    cfg: Config, pp_rank: int, state: WeightsAndOptimizer, pipeline_buffers: int, cuda: bool, workspace: int = 0
 ) -> RankMemory:
     """What is alive during the optimizer step: final gradients, the buffers still kept
     (`pipeline_buffers`), AdamW's temporaries. On CPU torch runs AdamW tensor by tensor:
@@ -512,7 +531,32 @@ def optimizer_step_memory(
         autocast_weights=0,
         peak_at="optimizer step",
         in_flight={sid: 0 for sid in owned},
+        workspace=workspace,
     )
+
+
+def resident_tensors(cfg: Config, state: WeightsAndOptimizer) -> list[int]:
+    """The sizes of the tensors allocated for the whole step: each parameter, its gradient, its
+    two AdamW moments (float32), and autocast's bfloat16 copy of each matrix."""
+    tp, dp_div = cfg.topology.tp, _fsdp_divisor(cfg)
+    sizes = []
+    for p in state.tensors:
+        sizes += [FLOAT * p.local_numel(tp, dp_div)] * 4
+        if p.matmul and cfg.train.dtype == "bfloat16":
+            sizes.append(BF16 * p.local_numel(tp))
+    return sizes
+
+
+def largest_allocation(cfg: Config, costs: dict[int, _StageCost], state: WeightsAndOptimizer) -> int:
+    """The step's largest single tensor: a parameter's (float32, or its gradient made whole),
+    the float32 logits of the loss and their gradients (last stage), the MLP's hidden state."""
+    tp, b, s = cfg.topology.tp, cfg.train.micro_batch_size, cfg.data.seq_len
+    act = BF16 if cfg.train.dtype == "bfloat16" else FLOAT
+    sizes = [FLOAT * p.numel for p in state.tensors]
+    sizes.append(act * b * s * _ceil(cfg.model.hidden_dim, tp))
+    if any(c.stage.last for c in costs.values()):
+        sizes.append(FLOAT * b * s * vocab_local(cfg))
+    return max(sizes)
 
 
 def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
@@ -537,9 +581,14 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
       root's and one block's, all of them in a pipeline), bfloat16 autocast's matrix copies.
     The optimizer step is a candidate too (final gradients, kept buffers, AdamW's temporaries:
     `cuda` chooses torch's foreach implementation, which makes them for all tensors at once).
+
+    `cuda` also counts what CUDA's kernels save (`estimate.cuda_not_saved`: fused
+    normalisations keep less), cuBLAS's workspaces (`CUBLAS_WORKSPACE`), and the peak's
+    `reserved` bytes: the caching allocator's rounding and fragmentation on top of the live
+    bytes (rayhybrid/plan/allocator.py), what decides whether the step fits a GPU.
     """
     t = cfg.topology
-    costs = stage_costs(cfg, pp_rank, stages(cfg))
+    costs = stage_costs(cfg, pp_rank, stages(cfg), cuda)
     state = weight_and_optimizer_memory(cfg, costs)
     copies = data_parallel_copies(cfg, state.tensors)
     autocast = autocast_weights(cfg, state.tensors)
@@ -548,14 +597,17 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
         notes.append("bfloat16 autocast keeps a bfloat16 copy of every matrix for the step")
     recv = receive_buffers(cfg, costs)
     batch = batch_memory(cfg, [c.stage for c in costs.values()])
-    walk = ScheduleWalk(
-        cfg, pp_rank, costs, state, Resident(state.params, state.optimizer, recv, batch, copies, autocast)
-    )
+    workspace = 2 * CUBLAS_WORKSPACE if cuda else 0
+    resident = Resident(state.params, state.optimizer, recv, batch, copies, autocast, workspace)
+    walk = ScheduleWalk(cfg, pp_rank, costs, state, resident)
     peak = walk.run()
-    step = optimizer_step_memory(cfg, pp_rank, state, recv + walk.kept_logits, cuda)
+    step = optimizer_step_memory(cfg, pp_rank, state, recv + walk.kept_logits, cuda, workspace)
     if step.total > peak.total:
         peak = step
     if t.schedule == "gpipe" and t.pp > 1 and not peak.grads:
         notes.append("GPipe peaks before the first backward ends: no gradients exist yet at the peak")
     peak.notes, peak.saved_peak, peak.max_in_flight = notes, walk.saved_peak, walk.max_in_flight
+    if cuda:
+        largest = largest_allocation(cfg, costs, state)
+        peak.reserved = allocator.reserved_bytes(peak.total, resident_tensors(cfg, state), largest)
     return peak

@@ -201,11 +201,7 @@ class Trainer:
             "samples_read": self.samples_read,  # [first sample index, count] this rank read
             "data_wait_s": self.data_wait_s,  # seconds this rank waited for its samples
             **({"data_read": self.data_read} if self.data_read is not None else {}),  # data.trace
-            **(
-                {"peak_mb": self.memory.peaks_mb(), "activation_mb": self.memory.activation_mb()}
-                if self.memory is not None
-                else {}
-            ),
+            **(self.memory.step_metrics() if self.memory is not None else {}),
             "bubble": self.timeline.bubble(),  # this rank's idle share of the pipeline's time
             **({"trace": self.timeline.events} if self.timeline.record else {}),
         }

@@ -12,8 +12,10 @@
 A phase's peak is the most memory the rank held at any moment while that phase ran (its other
 stages' parameters and in-flight activations included: that is what the device must hold).
 
-- **CUDA**: the caching allocator's `max_memory_allocated`, reset when a phase starts. A real
-  out-of-memory error is raised by torch as usual.
+- **CUDA**: the caching allocator's `max_memory_allocated` (`peaks_mb`), and its
+  `max_memory_reserved` (`reserved_mb`: the live tensors plus the allocator's rounding and
+  fragmentation, what must fit the card and what a memory search compares), both reset when a
+  phase starts. A real out-of-memory error (`torch.OutOfMemoryError`) is raised by torch as usual.
 - **CPU** (no allocator statistics to ask): an exact account of tensor storage bytes, kept by
   torch's `MemTracker` (`torch.distributed._tools.mem_tracker`), a dispatch mode that sees every
   tensor an operator creates and a weak-reference callback when its storage is freed. Parameters,
@@ -123,6 +125,7 @@ class MemoryMeter:
         self.cuda = device.type == "cuda"
         self.label: str | None = None
         self.peaks: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}  # CUDA: the allocator's reserved peak per phase
         self.tracker: _PhaseTracker | None = None
         self.modules = modules
         if not self.cuda:
@@ -132,7 +135,7 @@ class MemoryMeter:
     @contextlib.contextmanager
     def step(self):
         """Measure one training step; peaks start afresh."""
-        self.peaks, self.label = {}, None
+        self.peaks, self.reserved, self.label = {}, {}, None
         if self.tracker is None:
             yield
             self._close_phase()
@@ -158,10 +161,22 @@ class MemoryMeter:
         if self.cuda and self.label is not None:
             peak = torch.cuda.max_memory_allocated(self.device)
             self.peaks[self.label] = max(peak, self.peaks.get(self.label, 0))
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            self.reserved[self.label] = max(reserved, self.reserved.get(self.label, 0))
         self.label = None
 
     def peaks_mb(self) -> dict[str, float]:
         return {label: value / MB for label, value in sorted(self.peaks.items())}
+
+    def step_metrics(self) -> dict[str, dict[str, float]]:
+        """The step record's memory figures: `peak_mb`, `activation_mb`, and on CUDA `reserved_mb`."""
+        out = {"peak_mb": self.peaks_mb(), "activation_mb": self.activation_mb()}
+        return out | ({"reserved_mb": self.reserved_mb()} if self.cuda else {})
+
+    def reserved_mb(self) -> dict[str, float]:
+        """CUDA only ({} on CPU, where tensors are counted without an allocator): the caching
+        allocator's reserved peak of each phase."""
+        return {label: value / MB for label, value in sorted(self.reserved.items())}
 
     def activation_mb(self) -> dict[str, float]:
         """CPU only: the bytes saved for backward (MemTracker's Activation category) at each

@@ -42,6 +42,8 @@ class StepMetrics(TypedDict, total=False):
     peak_mb: dict[str, float]
     """metrics.memory: "rank<r>/stage<s>/<phase>" -> MB."""
     activation_mb: dict[str, float]
+    reserved_mb: dict[str, float]
+    """metrics.memory on CUDA: the caching allocator's reserved peaks, keyed as `peak_mb`."""
     trace: list[dict]
     """metrics.trace_steps: every rank's spans."""
     val_loss: float

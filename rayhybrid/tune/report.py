@@ -32,6 +32,7 @@ COLUMNS = {
     "global_batch_size": "G",
     "activation_checkpointing": "AC",
     "peak_mb": "peak_mb",
+    "allocated_peak_mb": None,
     "planned_mb": "planned",
     "predicted_peak_mb": "fitted",
     "budget_mb": None,
@@ -42,7 +43,8 @@ COLUMNS = {
     "error": None,
 }
 """tune_results.csv's columns in order, each with its label in the printed table (None: the
-CSV only). The printed table shows tokens/CPU-s only when trials are ranked by it."""
+CSV only). `peak_mb` is what limits a trial (on CUDA the caching allocator's reserved peak, on CPU
+the tensor bytes), `allocated_peak_mb` the most allocated (CUDA) or the same (CPU). The printed table shows tokens/CPU-s only when trials are ranked by it."""
 
 
 def _topology(cfg: Config, r: Record) -> dict:
@@ -71,6 +73,7 @@ def _rows(cfg: Config, plan) -> list[dict]:
                 "global_batch_size": t["dp"] * p.micro_batch_size * p.num_microbatches,
                 "activation_checkpointing": int(p.activation_checkpointing),
                 "peak_mb": round(r.peak_mb, 4) if r.peaks_mb else "",
+                "allocated_peak_mb": _rounded(r.allocated_mb),
                 "planned_mb": _rounded(r.planned_mb),
                 "predicted_peak_mb": _rounded(r.predicted_peak_mb),
                 "budget_mb": round(plan.budget_mb, 4),

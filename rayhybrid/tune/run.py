@@ -28,7 +28,7 @@ from rayhybrid.tune import space
 from rayhybrid.tune.microbatch import TunePlan
 from rayhybrid.tune.ray_searcher import PlanSearcher
 from rayhybrid.tune.space import TOPOLOGY_FIELDS, trial_config
-from rayhybrid.tune.trials import PEAK_PREFIX, Point
+from rayhybrid.tune.trials import PEAK_PREFIX, Point, limiting_peaks, out_of_memory, peaks_of
 
 log = logging.getLogger("rayhybrid")
 
@@ -66,8 +66,8 @@ class TrialHost:
             steps = [self.group.train(1, timeout_s=cfg.tune.step_timeout_s)[0].metrics for _ in range(cfg.tune.steps)]
         except WorkerError as err:
             errors = self.group.errors() if self.group is not None else {}
-            oom = [rank for rank, msg in errors.items() if "OutOfMemoryError" in msg] or (
-                [err.rank] if "OutOfMemoryError" in err.message else []
+            oom = [rank for rank, msg in errors.items() if out_of_memory(msg)] or (
+                [err.rank] if out_of_memory(err.message) else []
             )
             if oom:
                 first = errors.get(oom[0], err.message)
@@ -81,10 +81,7 @@ class TrialHost:
                 }
             return {"oom": 0, "error": str(err), "tokens_per_s": 0.0, "trial_s": time.perf_counter() - start}
         measured = steps[1:] or steps  # memory once optimizer state exists; speed after warm-up
-        peaks: dict[str, float] = {}
-        for metrics in measured:
-            for key, mb in metrics["peak_mb"].items():
-                peaks[key] = max(mb, peaks.get(key, 0.0))
+        peaks, allocated = limiting_peaks(measured), peaks_of(measured, "peak_mb")
         seconds = sum(m["step_time_s"] for m in measured)
         tokens = sum(m["tokens_per_s"] * m["step_time_s"] for m in measured)
         cpu = sum(m.get("cpu_s", 0.0) for m in measured)
@@ -92,6 +89,7 @@ class TrialHost:
             "oom": 0,
             "error": "",
             "peak_mb": max(peaks.values(), default=0.0),
+            "allocated_peak_mb": max(allocated.values(), default=0.0),
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "tokens_per_cpu_s": tokens / cpu if cpu else 0.0,
             "step_time_s": seconds / len(measured),

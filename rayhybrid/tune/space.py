@@ -72,14 +72,17 @@ def is_valid(cfg: Config) -> bool:
 
 
 def planned_peak_mb(cfg: Config, cuda: bool = False) -> float | None:
-    """The planner's peak memory of the busiest rank in MB (`python -m rayhybrid.plan`'s
-    `memory.max_mb`); None when the model has no memory model (ModelSpec.memory is None)."""
+    """The planner's peak memory of the busiest rank in MB, what must fit the device: on CPU the
+    live tensor bytes (`python -m rayhybrid.plan`'s `memory.max_mb`), on CUDA what the caching
+    allocator reserves (`memory.max_reserved_mb`: the trials' limit compares reserved peaks
+    too); None when the model has no memory model (ModelSpec.memory is None)."""
     from rayhybrid.plan import estimate as est
     from rayhybrid.plan.peak_memory import rank_memory
 
     if not est.has_memory_model(cfg):
         return None
-    return max(rank_memory(cfg, r, cuda=cuda).total for r in range(cfg.topology.pp)) / MB
+    ranks = [rank_memory(cfg, r, cuda=cuda) for r in range(cfg.topology.pp)]
+    return max(m.reserved if cuda else m.total for m in ranks) / MB
 
 
 def batch_sizes(cfg: Config, per_replica: int, point: dict | None = None) -> list[int]:

@@ -2,7 +2,9 @@
 a trial's result by `record_of`), and which record wins (`fastest`). Both searches
 (microbatch.py's `TunePlan`, layout.py's `LayoutPlan`) and the report share them.
 
-A trial's result carries its peaks as `peak_mb/<rank/stage/phase>` entries (`PEAK_PREFIX`).
+A trial's result carries its peaks as `peak_mb/<rank/stage/phase>` entries (`PEAK_PREFIX`): what
+limits a run (`limiting_peaks`), on CUDA the caching allocator's reserved bytes, on CPU the tensor
+bytes; a trial whose rank ran out of memory (`out_of_memory`) is a miss.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Record:
     step_time_s: float = 0.0
     cpu_s: float = 0.0  # the busiest rank's CPU seconds per step
     tokens_per_cpu_s: float = 0.0
+    allocated_mb: float | None = None  # CUDA: the most the allocator had allocated (peaks_mb: reserved)
 
     @property
     def peak_mb(self) -> float:
@@ -113,6 +116,7 @@ def record_of(point: Point, purpose: str, result: dict | None, error: bool = Fal
         step_time_s=float(result.get("step_time_s") or 0.0),
         cpu_s=float(result.get("cpu_s") or 0.0),
         tokens_per_cpu_s=float(result.get("tokens_per_cpu_s") or 0.0),
+        allocated_mb=float(result["allocated_peak_mb"]) if result.get("allocated_peak_mb") else None,
         **predictions,
     )
 
@@ -120,3 +124,24 @@ def record_of(point: Point, purpose: str, result: dict | None, error: bool = Fal
 def fastest(records: list[Record], budget_mb: float, metric: str) -> Record | None:
     """The fastest record (by `metric`) that fitted `budget_mb`."""
     return max((r for r in records if r.fits(budget_mb)), key=lambda r: r.speed(metric), default=None)
+
+
+def out_of_memory(message: str) -> bool:
+    """Whether a rank's error is running out of memory: torch's `OutOfMemoryError` (the CUDA
+    caching allocator's, or the CPU meter's over tune.memory_budget_mb)."""
+    return "OutOfMemoryError" in message or "CUDA out of memory" in message
+
+
+def peaks_of(steps: list[dict], name: str) -> dict[str, float]:
+    """The most of each "rank/stage/phase" figure of `name` over `steps`."""
+    peaks: dict[str, float] = {}
+    for metrics in steps:
+        for key, mb in metrics.get(name, {}).items():
+            peaks[key] = max(mb, peaks.get(key, 0.0))
+    return peaks
+
+
+def limiting_peaks(steps: list[dict]) -> dict[str, float]:
+    """What limits a run: on CUDA the caching allocator's reserved peaks (the live tensors plus
+    its rounding and fragmentation: what must fit the card), on CPU the tensor bytes."""
+    return peaks_of(steps, "reserved_mb") or peaks_of(steps, "peak_mb")

@@ -109,6 +109,18 @@ class LlamaMemory:
             return FLOAT * (2 * s * m.d_model + s + s * v) + BF16 * s * m.d_model + INT64 * s
         return FLOAT * (3 * s * m.d_model + s + s * v) + INT64 * s
 
+    def cuda_not_saved(self, cfg, tp: int, dtype: str) -> tuple[int, int]:
+        """On CUDA `nn.RMSNorm` is one fused kernel (torch's `rms_norm` calls
+        `_fused_rms_norm`, which has a CUDA kernel; on CPU it is the composite of pow, mean,
+        rsqrt and muls counted above): its backward, `_fused_rms_norm_backward(grad, input,
+        normalized_shape, rstd, weight)`, keeps the input and 1/rms, not x/rms. So a block keeps
+        2 s d float32 fewer (both norms), the head s d fewer (the final norm), whatever the
+        dtype (the norms run in float32 under autocast too; replicated under tp). Measured on
+        an H200 (Llama 3.2 1B, seq 2048, bfloat16): the peaks grew 6,554 MB per sample where
+        the CPU count gives 7,082: 528 MB = (16 x 2 + 1) x 2048 x 2048 x 4 B."""
+        sd = FLOAT * cfg.data.seq_len * cfg.model.d_model
+        return 2 * sd, sd
+
     def block_transient(self, cfg, tp: int, dtype: str) -> int:
         """The MLP's backward, per sample: two s x h gradients at once (of the SiLU and of w3's
         output, while the product's saved tensor is freed), in the activation dtype. Exact in
