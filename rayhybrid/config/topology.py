@@ -50,6 +50,27 @@ class Topology:
         return f"dp{self.dp}_pp{self.pp}_tp{self.tp}"
 
 
+def shard_group_size(dp_shard: bool | int, dp: int) -> int:
+    """The data-parallel ranks that shard each parameter, gradient and optimizer state
+    (`topology.dp_shard`): 1 for false or 1 (replicated), dp for true (FSDP2 over all of dp),
+    N for an integer 1 < N < dp (HSDP: groups of N consecutive dp ranks, each group holding
+    every shard, replicated across the dp / N groups). A validated config's N divides dp; here
+    N is only bounded to [1, dp] (an elastic run's dp is always a multiple of N)."""
+    if dp_shard is True:
+        return dp
+    if dp_shard is False:
+        return 1
+    return max(1, min(int(dp_shard), dp))
+
+
+def dp_multiple(dp_shard: bool | int) -> int:
+    """What dp must be a multiple of under `dp_shard`: N for an integer N > 1 (whole shard
+    groups; an elastic run grows and shrinks by groups), else 1 (true shards over any dp)."""
+    if isinstance(dp_shard, bool):
+        return 1
+    return max(1, int(dp_shard))
+
+
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
     """Contiguous layer ranges for `n_stages` pipeline stages; earlier stages take the remainder.
 
