@@ -63,6 +63,16 @@ def shard_group_size(dp_shard: bool | int, dp: int) -> int:
     return max(1, min(int(dp_shard), dp))
 
 
+def describe_data_parallel(dp: int, shard_group: int) -> str:
+    """How data parallelism runs, in words: "replicated dp", "FSDP2" (over all of dp) or
+    "HSDP (2 replicas x 4 shards)" (dp 8 in shard groups of 4)."""
+    if shard_group <= 1:
+        return "replicated dp"
+    if shard_group >= dp:
+        return "FSDP2"
+    return f"HSDP ({dp // shard_group} replicas x {shard_group} shards)"
+
+
 def dp_multiple(dp_shard: bool | int) -> int:
     """What dp must be a multiple of under `dp_shard`: N for an integer N > 1 (whole shard
     groups; an elastic run grows and shrinks by groups), else 1 (true shards over any dp)."""

@@ -33,7 +33,7 @@ import weakref
 from pathlib import Path
 
 from rayhybrid.config.schema import Config
-from rayhybrid.config.topology import Layout
+from rayhybrid.config.topology import Layout, describe_data_parallel
 from rayhybrid.driver.raytext import RayText
 from rayhybrid.driver.records import Interruption, RunSummary, StepMetrics
 from rayhybrid.driver.reporting import Reporter
@@ -376,7 +376,7 @@ def announce(cfg: Config, scaling, use_gpu: bool) -> None:
         t.pp,
         t.tp,
         t.schedule if t.pp > 1 else "no pipeline",
-        "FSDP2" if t.dp_shard else "replicated dp",
+        describe_data_parallel(t.dp, t.shard_group),
         "G/(dp x mb)" if elastic else layout.num_microbatches,
         cfg.train.micro_batch_size,
         "GPU" if use_gpu else "CPU",
