@@ -73,6 +73,17 @@ def describe_data_parallel(dp: int, shard_group: int) -> str:
     return f"HSDP ({dp // shard_group} replicas x {shard_group} shards)"
 
 
+def groups_across_nodes(placement: list[dict], shard_group: int) -> list[list[int]]:
+    """HSDP: the shard groups that span nodes, each as its ranks. `placement`: one row per
+    rank with its "rank", "dp", "pp", "tp" and "node_id" (`GroupState.placement`). A shard
+    group is the `shard_group` ranks of the same pp and tp coordinates whose dp ranks are
+    consecutive from a multiple of `shard_group` (rank order, docs/design.md invariant 1)."""
+    groups: dict[tuple[int, int, int], list[dict]] = {}
+    for row in placement:
+        groups.setdefault((row["dp"] // shard_group, row["pp"], row["tp"]), []).append(row)
+    return [sorted(r["rank"] for r in rows) for rows in groups.values() if len({r["node_id"] for r in rows}) > 1]
+
+
 def dp_multiple(dp_shard: bool | int) -> int:
     """What dp must be a multiple of under `dp_shard`: N for an integer N > 1 (whole shard
     groups; an elastic run grows and shrinks by groups), else 1 (true shards over any dp)."""

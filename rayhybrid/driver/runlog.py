@@ -33,7 +33,7 @@ import weakref
 from pathlib import Path
 
 from rayhybrid.config.schema import Config
-from rayhybrid.config.topology import Layout, describe_data_parallel
+from rayhybrid.config.topology import Layout, describe_data_parallel, groups_across_nodes
 from rayhybrid.driver.raytext import RayText
 from rayhybrid.driver.records import Interruption, RunSummary, StepMetrics
 from rayhybrid.driver.reporting import Reporter
@@ -201,6 +201,15 @@ class RunLog:
         """The workers as they describe themselves, once they are (re)started: workers.json, and
         the summary's topology and workers."""
         self.write_json("workers.json", [{**p, "pid": pid} for p, pid in zip(placement, pids)])
+        t = cfg.topology
+        if t.hsdp and (spanning := groups_across_nodes(placement, t.shard_group)):
+            log.warning(
+                "HSDP: %d shard group(s) span nodes (ranks %s), so their parameters are gathered across nodes "
+                "every step; place %d replicas per node (more devices per node) or lower topology.dp_shard",
+                len(spanning),
+                spanning[0],
+                t.shard_group,
+            )
         self.summary.topology.update(Layout.of(cfg).summary())
         self.summary.workers = {
             "placement": placement,
