@@ -285,7 +285,7 @@ class FaultConfig:
     """Peer healing: after a failure, when every shard of the lost ranks still has a live copy
     on another data-parallel replica, the survivors keep their state in memory and the new
     ranks receive theirs from those copies: no completed step is trained again. Otherwise (dp=1,
-    topology.dp_shard, both copies lost) the run restores the latest checkpoint. With dp >= 2
+    topology.dp_shard=true, both copies lost) the run restores the latest checkpoint. With dp >= 2
     each step ends with a one-value all-reduce of every rank (the commit vote)."""
 
 

@@ -24,7 +24,7 @@ from rayhybrid.data.feed import DeviceFeed
 from rayhybrid.data.streams import build_stream, replica_shard, trace_rows
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
-from rayhybrid.parallel.mesh import build_mesh, split_dp
+from rayhybrid.parallel.mesh import build_mesh
 from rayhybrid.parallel.tied import TiedCopies
 from rayhybrid.trainer.build import build_memory_meter, build_optimizers, build_pipeline, build_stages
 from rayhybrid.trainer.checkpoint import Checkpoints
@@ -55,7 +55,6 @@ class Trainer:
         self.device = device
         self.spec = get_spec(cfg.model)
         self.mesh = build_mesh(t.dp, t.pp, t.tp, device)
-        model_mesh = split_dp(self.mesh, t.shard_group)  # HSDP: dp as (replicate, shard)
         # All ranks, for checkpoints: a group of its own rather than the default one, so that
         # leaving it after a failure (see cluster/worker.py) closes its connections too.
         self.world_group = dist.new_group()
@@ -70,7 +69,7 @@ class Trainer:
         self.loss_parallel = t.use_loss_parallel(cfg.model.vocab_size)
         self.num_stages = self.layout.num_stages
         self.stages = build_stages(
-            cfg, self.spec, self.layout, model_mesh, device, pp_rank=self.coord.pp, loss_parallel=self.loss_parallel
+            cfg, self.spec, self.layout, self.mesh, device, pp_rank=self.coord.pp, loss_parallel=self.loss_parallel
         )
         if cfg.model.init_from:  # a Hugging Face checkpoint; a resumed checkpoint loads over it
             from rayhybrid.trainer.hf_load import load_pretrained
