@@ -250,6 +250,24 @@ def test_hsdp_policy_of_a_config_uses_whole_groups_only():
     assert policy.fit(5) == 4
 
 
+def test_an_elastic_hsdp_run_announces_whole_groups(caplog):
+    import logging
+
+    from rayhybrid.driver.runlog import announce
+    from rayhybrid.preflight import load_config
+
+    cfg = load_config(
+        ["topology.dp=4", "topology.dp_shard=2", "elastic.enabled=true", "elastic.min_dp=2", "elastic.max_dp=6"]
+        + ["train.global_batch_size=24", "train.micro_batch_size=1"]
+    )
+    with caplog.at_level(logging.INFO, logger="rayhybrid"):
+        announce(cfg, ScalingPolicy.of(cfg), use_gpu=False)
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "usable dp 2, 4, 6; HSDP: dp grows and shrinks by whole shard groups of 2" in first
+    assert "cannot split" not in first  # 3 and 5 are not skipped for the batch's sake
+    assert "HSDP (2 replicas x 2 shards)" in second
+
+
 def test_the_module_docstring_example():
     scaling = ScalingPolicy(usable=[1, 2, 3], min_dp=1, elastic=True)
     assert scaling.on_start(placed=[0, 1]) == [0, 1]

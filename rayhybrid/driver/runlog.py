@@ -364,10 +364,10 @@ def announce(cfg: Config, scaling, use_gpu: bool) -> None:
     usable, elastic = scaling.usable, scaling.elastic
     if elastic:
         low, high = cfg.elastic.dp_range(t.dp)
-        skipped = [d for d in range(low, high + 1) if d not in usable]
+        skipped = [d for d in range(low, high + 1) if d not in usable and d % t.dp_multiple == 0]
         tr = cfg.train
         log.info(
-            "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s",
+            "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s%s",
             scaling.min_dp,
             usable[-1],
             t.pp,
@@ -377,6 +377,7 @@ def announce(cfg: Config, scaling, use_gpu: bool) -> None:
             f"micro-batches of {tr.micro_batch_size}; the run uses the largest usable dp it can place)"
             if skipped
             else "",
+            f"; HSDP: dp grows and shrinks by whole shard groups of {t.dp_multiple}" if t.dp_multiple > 1 else "",
         )
     log.info(
         "rayhybrid: %s ranks = dp %s x pp %d x tp %d (%s, %s, %s micro-batches of %d) on %s",
