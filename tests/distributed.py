@@ -217,6 +217,25 @@ def train_many(rank: int, cfgs: dict, steps: int) -> dict[str, list[dict]]:
     return out
 
 
+def local_shards(rank: int, cfg, steps: int) -> dict:
+    """After `steps` steps of `cfg` (one stage): the data-parallel mesh's shape and dimension
+    names, and each parameter's placements and local shard (a copy)."""
+    from torch.distributed.tensor import DTensor
+
+    from rayhybrid.trainer.loop import Trainer
+
+    tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+    for _ in range(steps):
+        tr.train_step()
+    out = {"params": {}}
+    for name, p in tr.named_parameters():
+        assert isinstance(p, DTensor), name
+        out["mesh"] = (tuple(p.device_mesh.shape), p.device_mesh.mesh_dim_names)
+        out["params"][name] = ([str(x) for x in p.placements], p.to_local().detach().clone())
+    del tr
+    return out
+
+
 def grads_many(rank: int, cfgs: dict) -> dict[str, dict]:
     """For each labelled config: a fresh `Trainer`, one `forward_backward()`; {label: {"names":
     every parameter name this rank holds, "grads": {name: full gradient}}}."""

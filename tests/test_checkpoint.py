@@ -41,6 +41,7 @@ WORLD4 = {
     "pp4": replace_topology(BASE, pp=4),
     "dp2_tp2_fsdp": replace_topology(BASE, dp=2, tp=2, dp_shard=True),
     "pp2_interleaved_tp2": replace_topology(BASE, pp=2, tp=2, schedule="interleaved_1f1b", stages_per_rank=2),
+    "dp4_hsdp2": replace_topology(BASE, dp=4, dp_shard=2),  # into HSDP (2 groups x 2 shards)
 }
 WORLD8 = {
     "same": SOURCE,
@@ -201,3 +202,22 @@ def test_a_resume_that_does_not_fit_is_refused_before_any_worker_starts(tmp_path
     assert summary.get("startup_s") is None and "placement" not in summary  # no worker started
     assert not (run_dir / "workers.json").exists()
     assert "started" not in proc.stdout and "resuming" not in proc.stdout
+
+
+def test_hsdp_checkpoint_resumes_replicated_and_fully_sharded(tmp_path):
+    """A checkpoint saved under HSDP (dp4, topology.dp_shard=2) after 3 steps, resumed under
+    dp4 replicated, dp4 FSDP over all of dp and dp2 x tp2: the next steps' losses are the HSDP
+    run's own, uninterrupted ones (the reverse, into HSDP, is test_reshard_world4's dp4_hsdp2)."""
+    source = replace_topology(BASE, dp=4, dp_shard=2)
+    resume = {
+        "dp4": replace_topology(BASE, dp=4),
+        "dp4_fsdp": replace_topology(BASE, dp=4, dp_shard=True),
+        "dp2_tp2": replace_topology(BASE, dp=2, tp=2),
+    }
+    (out, *_) = run_ranks(
+        train_save_resume, 4, {"hsdp": source}, "hsdp", str(tmp_path), BEFORE, AFTER, resume, timeout=600
+    )
+    assert store.check(out["path"]).meta["topology"]["dp_shard"] == 2
+    uninterrupted = [m["loss"] for m in out["fresh"]["hsdp"]]
+    for label in resume:
+        check(out["resumed"][label], uninterrupted[BEFORE:])

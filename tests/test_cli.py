@@ -59,6 +59,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str
         (["train.micro_batch_size=-1"], ["train.micro_batch_size", "positive"]),
         (["+topology=pp2", "topology.schedule=zb_magic"], ["topology.schedule", "gpipe"]),
         (["+topology=dp9"], ["topology", "dp2_pp2_tp2", "dp1_pp1_tp1"]),
+        (["+topology=dp4", "topology.dp_shard=3"], ["topology.dp_shard", "does not divide topology.dp=4"]),
         (["checkpoint.dir=nope://bucket/x"], ["checkpoint.dir", "unknown storage protocol nope://"]),
     ],
 )

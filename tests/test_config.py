@@ -77,6 +77,18 @@ def test_degrees_on_command_line_and_both_topology_spellings():
 
 
 @pytest.mark.parametrize(
+    "value, dp, group, hsdp",
+    [("false", 4, 1, False), ("1", 4, 1, False), ("true", 4, 4, False), ("4", 4, 4, False), ("2", 4, 2, True)]
+    + [("true", 1, 1, False), ("2", 8, 2, True), ("4", 8, 4, True)],
+)
+def test_dp_shard_is_a_bool_or_the_shard_group_size(value, dp, group, hsdp):
+    """topology.dp_shard: false/1 replicate, true/dp shard over all of dp, 1 < N < dp is HSDP
+    (today's `true`/`false` YAML keeps its meaning; an integer is no longer read as true)."""
+    t = load_config([f"topology.dp={dp}", f"topology.dp_shard={value}", "train.micro_batch_size=1"]).topology
+    assert (t.shard_group, t.hsdp) == (group, hsdp)
+
+
+@pytest.mark.parametrize(
     "value, vocab, expected",
     [("true", 2048, True), ("True", 2048, True), ("false", 50304, False), ("auto", 2048, False), ("auto", 8192, True)],
 )
@@ -119,6 +131,17 @@ def test_loss_parallel_from_the_command_line(value, vocab, expected):
         (["data=text"], "data.path", ["data.path"]),
         (["data=text", "data.path=/nonexistent/*.txt"], "data.path", ["no text file"]),
         (["cluster.use_gpu=maybe"], "cluster.use_gpu", ["auto"]),
+        # topology.dp_shard=N (HSDP): N divides dp, is not negative, is a bool or an integer.
+        (["topology.dp=4", "topology.dp_shard=3"], "topology.dp_shard", ["does not divide topology.dp=4", "1, 2, 4"]),
+        (["topology.dp=2", "topology.dp_shard=4"], "topology.dp_shard", ["does not divide topology.dp=2"]),
+        (["topology.dp=4", "topology.dp_shard=-2"], "topology.dp_shard", ["negative", "HSDP"]),
+        (["topology.dp=4", "topology.dp_shard=2.0"], "topology.dp_shard", ["float", "true", "false"]),
+        (["topology.dp=4", "topology.dp_shard=half"], "topology.dp_shard", ["'half'", "integer N dividing dp"]),
+        (
+            ["topology.dp=4", "topology.dp_shard=2", "elastic.enabled=true", "elastic.min_dp=1"],
+            "topology.dp_shard",
+            ["elastic.min_dp=1", "multiple of 2"],
+        ),
     ],
 )
 def test_bad_input_names_setting_and_fix(overrides, setting, words):

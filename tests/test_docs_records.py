@@ -85,4 +85,7 @@ def test_dp_shard_turns_peer_healing_off_as_the_docs_say():
 
     assert heal_enabled(load_config(["+topology=dp2"]))
     assert not heal_enabled(load_config(["+topology=dp2", "topology.dp_shard=true"]))
+    # HSDP heals with two replica groups or more; a shard group as large as dp is FSDP2's case.
+    assert heal_enabled(load_config(["+topology=dp4", "topology.dp_shard=2"]))
+    assert not heal_enabled(load_config(["+topology=dp4", "topology.dp_shard=4"]))
     assert HealPolicy(enabled=True).choose({(0, 0): [None, None]}) is None  # nothing kept: the checkpoint

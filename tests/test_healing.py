@@ -176,3 +176,29 @@ def test_kill_during_a_checkpoint_restore_recovers_again(tmp_path, reference_dir
     assert "interrupted" in first and "interrupted" not in second, summary["recoveries"]
     assert 0 in second["replaced_ranks"] and second["healed"] == "checkpoint"
     assert losses(run_dir) == losses(reference_dir)
+
+
+HSDP = ["topology.dp=4", "topology.dp_shard=2", *COMMON, "train.steps=8"]
+"""HSDP, dp4 as 2 replica groups x 2 shards: ranks 0 and 1 form one group, 2 and 3 the other;
+rank 3 holds the shard rank 1 holds."""
+
+
+def test_hsdp_rank_killed_heals_from_its_shard_in_the_other_group(tmp_path):
+    """dp4 with topology.dp_shard=2, rank 1 SIGKILLed after step 3: its shard's copy lives on
+    rank 3 (the same shard coordinate in the other replica group), so the run heals from it,
+    redoes no step, and ends with an uninterrupted HSDP run's losses, bit for bit."""
+    reference = Path(rayhybrid.train(HSDP, run_dir=tmp_path / "ref")["run_dir"])
+    run_dir = tmp_path / "run"
+    thread, result = in_background(HSDP, run_dir)
+    when_step(run_dir, 3)
+    signal_rank(run_dir, 1, signal.SIGKILL)
+    thread.join(timeout=400)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    assert summary["status"] == "completed" and summary["steps"] == 8
+    (recovery,) = summary["recoveries"]
+    assert (recovery["healed"], recovery["steps_redone"], recovery["replaced_ranks"]) == ("peer", 0, [1])
+    assert recovery["bytes_sent"] > 0
+    (heal,) = events(run_dir, "heal")
+    assert heal["ranks"] == [1]
+    assert losses(run_dir) == losses(reference)

@@ -13,16 +13,17 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from rayhybrid.config.schema import SCHEDULES, Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
 from rayhybrid.preflight import load_config
-from tests.distributed import run_configs, train_many
+from tests.distributed import local_shards, run_configs, run_ranks, train_many
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 
 STEPS = 10
 WORLD8_STEPS = 6
-"""Thirteen configs on eight ranks: each is held to the reference's first 6 steps (by step 6 the
+"""Fourteen configs on eight ranks: each is held to the reference's first 6 steps (by step 6 the
 reference has learned: GPT 5.55 -> 5.24, Llama 5.56 -> 5.08), which costs 50 s less than 10."""
 GLOBAL_BATCH = 8
 LOSS_RTOL = 1e-5
@@ -53,7 +54,7 @@ def topo(
     pp: int = 1,
     tp: int = 1,
     schedule: str = "1f1b",
-    dp_shard: bool = False,
+    dp_shard: bool | int = False,
     ac: bool = False,
     model: ModelConfig = BASE.model,
     **extra,
@@ -91,6 +92,11 @@ WORLD2 = {
     "llama3_pp2_1f1b": topo(pp=2, model=LLAMA),
     "llama3_dp2_shard_ac": topo(dp=2, dp_shard=True, ac=True, model=LLAMA),
 }
+WORLD4 = {
+    "dp4": topo(dp=4),
+    # HSDP (topology.dp_shard=2): dp4 as 2 replica groups x 2 shards.
+    "dp4_hsdp2": topo(dp=4, dp_shard=2),
+}
 WORLD8 = {
     f"dp2_pp2_tp2_{s}{'_shard' if shard else ''}": topo(dp=2, pp=2, tp=2, schedule=s, dp_shard=shard)
     for s in SCHEDULES
@@ -99,6 +105,7 @@ WORLD8 = {
 WORLD8["dp2_pp2_tp2_1f1b_loss_parallel"] = topo(dp=2, pp=2, tp=2, loss_parallel="true")
 WORLD8["dp2_pp2_tp2_interleaved_1f1b_ac"] = topo(dp=2, pp=2, tp=2, schedule="interleaved_1f1b", ac=True)
 WORLD8["llama3_dp2_pp2_tp2_1f1b"] = topo(dp=2, pp=2, tp=2, model=LLAMA)
+WORLD8["dp4_tp2_hsdp2"] = topo(dp=4, tp=2, dp_shard=2)  # HSDP beside tensor parallelism
 REFERENCES = {"gpt": "dp1_pp1_tp1", "llama3": "llama3_dp1"}
 """The one-rank run each model's labels are held to."""
 
@@ -157,8 +164,13 @@ def world2_runs() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def world4_runs() -> list[dict]:
+    return run_configs(train_many, WORLD4, STEPS)
+
+
+@pytest.fixture(scope="module")
 def world8_runs() -> list[dict]:
-    # Thirteen configs on eight ranks share two CPU cores: allow for a busy machine.
+    # Fourteen configs on eight ranks share two CPU cores: allow for a busy machine.
     return run_configs(train_many, WORLD8, WORLD8_STEPS, timeout=600)
 
 
@@ -212,3 +224,27 @@ def test_parity_world2(label, world2_runs, world1_runs):
 @pytest.mark.parametrize("label", list(WORLD8))
 def test_parity_dp2_pp2_tp2(label, world8_runs, world1_runs):
     check_parity(world8_runs, label, WORLD8[label], world1_runs[reference_of(label)][:WORLD8_STEPS])
+
+
+@pytest.mark.parametrize("label", list(WORLD4))
+def test_parity_dp4(label, world4_runs, world1_runs):
+    check_parity(world4_runs, label, WORLD4[label], world1_runs[reference_of(label)])
+
+
+def test_hsdp_matches_replicated_dp(world4_runs):
+    """dp4 as 2 x 2 (HSDP) against dp4 replicated, step by step, within 1e-5."""
+    hsdp, replicated = ([m["loss"] for m in world4_runs[0][label]] for label in ("dp4_hsdp2", "dp4"))
+    assert hsdp == pytest.approx(replicated, rel=LOSS_RTOL)
+
+
+def test_hsdp_shards_within_groups_and_replicates_across():
+    """dp_shard=2 on dp4: each parameter is sharded over a group of 2 consecutive dp ranks and
+    the groups hold equal copies (after training: their gradients were averaged over all 4)."""
+    ranks = run_ranks(local_shards, 4, WORLD4["dp4_hsdp2"], 2)
+    assert ranks[0]["mesh"] == ((2, 2), ("dp_replicate", "dp_shard"))
+    for name, (placements, local) in ranks[0]["params"].items():
+        assert placements == ["R", "S(0)"], (name, placements)  # Replicate over groups, Shard(0) within
+        assert torch.equal(local, ranks[2]["params"][name][1]), f"{name}: replica groups differ"
+        assert torch.equal(ranks[1]["params"][name][1], ranks[3]["params"][name][1]), name
+    first = next(iter(ranks[0]["params"]))
+    assert not torch.equal(ranks[0]["params"][first][1], ranks[1]["params"][first][1])

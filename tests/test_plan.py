@@ -16,7 +16,7 @@ from test_cli import REPO, assert_one_line_error, run_cli
 
 from rayhybrid.config.topology import Topology
 from rayhybrid.models.gpt.model import num_params
-from rayhybrid.plan import build_plan
+from rayhybrid.plan import build_plan, format_text
 from rayhybrid.plan import estimate as est
 from rayhybrid.plan.peak_memory import rank_memory
 from rayhybrid.plan.schedule import rank_actions
@@ -247,6 +247,7 @@ MEMORY_CASES = [
     # FSDP2: the prediction puts the root's and one block's gathered parameters at the end of
     # the forward, where the logits are made; torch frees the block's a little earlier (+0.9%).
     ("dp2 fsdp", ["+topology=dp2", "topology.dp_shard=true"], EXACT),
+    ("dp4 hsdp2", ["+topology=dp4", "topology.dp_shard=2"], EXACT),  # shards over groups of 2
     ("pp2 interleaved", ["+topology=pp2_interleaved"], EXACT),
     # A vocabulary large against the activations: the last stage peaks when torch's schedule
     # concatenates every micro-batch's logits after the last backward; one rank peaks in the
@@ -328,6 +329,28 @@ def test_memory_parts_add_up_and_follow_the_schedule():
     fsdp = build_plan(load_config(["+topology=dp2", "topology.dp_shard=true"]))["memory"]["per_pp_rank"][0]
     assert fsdp["params_mb"] == pytest.approx(full["params_mb"] / 2)
     assert fsdp["optimizer_mb"] == pytest.approx(full["optimizer_mb"] / 2, abs=1e-3)
+
+
+def test_hsdp_divides_by_the_shard_group_not_dp():
+    """topology.dp_shard=N: parameters and optimizer state / N (not / dp); the gathers and the
+    reduce-scatter run within the N ranks, and the gradient shards are all-reduced across the
+    dp / N groups. The plan's first line says HSDP's shape."""
+    plans = {v: build_plan(load_config(["+topology=dp4", f"topology.dp_shard={v}"])) for v in ("false", "2", "true")}
+    mem = {v: p["memory"]["per_pp_rank"][0] for v, p in plans.items()}
+    assert mem["2"]["params_mb"] == pytest.approx(mem["false"]["params_mb"] / 2)
+    assert mem["true"]["params_mb"] == pytest.approx(mem["false"]["params_mb"] / 4)
+    assert mem["2"]["optimizer_mb"] == pytest.approx(mem["false"]["optimizer_mb"] / 2, abs=1e-3)
+    hsdp = plans["2"]["communication"]["per_pp_rank"][0]["dp"]
+    fsdp = plans["true"]["communication"]["per_pp_rank"][0]["dp"]
+    local = hsdp["reduce_scatter_bytes"]
+    assert hsdp["all_gather_bytes"] == fsdp["all_gather_bytes"] and hsdp["all_reduce_bytes"] == local // 2
+    assert hsdp["wire_bytes"] == (hsdp["all_gather_bytes"] + local) // 2 + local // 2  # rings of 2 and 2
+    assert plans["2"]["config"]["shard_group"] == 2
+    assert "HSDP (2 replicas x 2 shards)" in format_text(plans["2"]).splitlines()[0]
+    assert (
+        "FSDP2" in format_text(plans["true"]).splitlines()[0]
+        and "SDP" not in format_text(plans["false"]).splitlines()[0]
+    )
 
 
 def test_most_saved_for_backward_over_the_step():

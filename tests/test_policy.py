@@ -206,6 +206,68 @@ def test_on_checkpoint(policy, active, placed, slots):
     assert policy.on_checkpoint(active, placed) == slots
 
 
+HSDP2 = ScalingPolicy([2, 4, 6], 2, group=2)  # topology.dp_shard=2, elastic dp 2..6
+
+
+@pytest.mark.parametrize(
+    "active, lost, slots",
+    [
+        ([0, 1, 2, 3], {1}, [2, 3]),  # the group that lost none, not [0, 2]
+        ([0, 1, 2, 3], {2}, [0, 1]),
+        ([0, 1, 2, 3, 4, 5], {3}, [0, 1, 4, 5]),  # groups (0, 1), (4, 5) keep their shards
+        ([0, 1, 2, 3, 4, 5], {1, 3}, [4, 5, 0, 2]),  # then a new group of what is left
+        ([0, 1, 2, 3, 4, 5], {0, 2, 4}, [1, 3]),  # no whole group left: the survivors form one
+        ([0, 1, 2, 3], {0, 2, 3}, []),  # one replica is no group (below min_dp 2)
+        ([3, 2, 1, 0], {0}, [3, 2]),
+        ([0, 1, 2, 3], set(), [0, 1, 2, 3]),
+    ],
+)
+def test_hsdp_shrinks_by_whole_shard_groups(active, lost, slots):
+    assert HSDP2.on_loss(active, lost) == slots
+
+
+@pytest.mark.parametrize(
+    "active, placed, slots",
+    [
+        ([0, 1], [0, 1, 2], None),  # one spare is not a group
+        ([0, 1], [0, 1, 2, 3], [0, 1, 2, 3]),
+        ([2, 3], [0, 1, 2, 3, 4, 5], [2, 3, 0, 1, 4, 5]),
+    ],
+)
+def test_hsdp_grows_by_whole_shard_groups(active, placed, slots):
+    assert HSDP2.on_checkpoint(active, placed) == slots
+
+
+def test_hsdp_policy_of_a_config_uses_whole_groups_only():
+    from rayhybrid.preflight import load_config
+
+    cfg = load_config(
+        ["topology.dp=6", "topology.dp_shard=2", "elastic.enabled=true", "elastic.min_dp=2"]
+        + ["train.global_batch_size=24", "train.micro_batch_size=1"]
+    )
+    policy = ScalingPolicy.of(cfg)
+    assert (list(policy.usable), policy.min_dp, policy.group) == ([2, 4, 6], 2, 2)
+    assert policy.fit(5) == 4
+
+
+def test_an_elastic_hsdp_run_announces_whole_groups(caplog):
+    import logging
+
+    from rayhybrid.driver.runlog import announce
+    from rayhybrid.preflight import load_config
+
+    cfg = load_config(
+        ["topology.dp=4", "topology.dp_shard=2", "elastic.enabled=true", "elastic.min_dp=2", "elastic.max_dp=6"]
+        + ["train.global_batch_size=24", "train.micro_batch_size=1"]
+    )
+    with caplog.at_level(logging.INFO, logger="rayhybrid"):
+        announce(cfg, ScalingPolicy.of(cfg), use_gpu=False)
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "usable dp 2, 4, 6; HSDP: dp grows and shrinks by whole shard groups of 2" in first
+    assert "cannot split" not in first  # 3 and 5 are not skipped for the batch's sake
+    assert "HSDP (2 replicas x 2 shards)" in second
+
+
 def test_the_module_docstring_example():
     scaling = ScalingPolicy(usable=[1, 2, 3], min_dp=1, elastic=True)
     assert scaling.on_start(placed=[0, 1]) == [0, 1]

@@ -103,6 +103,11 @@ PRIVATE = (
     Private("torch.distributed.tensor._collective_utils.MeshTopoInfo.build_from_mesh.cache_clear", FORGET, (0, ())),
     Private("torch.distributed.device_mesh.DeviceMesh#_pg_registry", FORGET),
     Private(
+        "torch.distributed.device_mesh.DeviceMesh._unflatten",
+        "parallel/mesh.py split_dp: HSDP's 2-D mesh (topology.dp_shard=N; without: HSDP cannot run)",
+        (4, ()),
+    ),
+    Private(
         "torch.distributed._composable.replicate_with_fsdp.replicate", "parallel/data_parallel.py: dp", (1, ("mesh",))
     ),
     Private("torch._foreach_mul_", "parallel/grad.py: gradient clipping", (2, ())),

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from rayhybrid.config.topology import Coord, Topology, num_microbatches, split_layers, stage_ids
+from rayhybrid.config.topology import Coord, Topology, groups_across_nodes, num_microbatches, split_layers, stage_ids
 
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (3, 2, 4), (4, 3, 1), (1, 4, 2)]
 
@@ -130,3 +130,42 @@ def test_num_microbatches_rejects_indivisible(global_batch, dp, micro):
         num_microbatches(global_batch, dp, micro)
     # The message names the keys to fix.
     assert "micro_batch_size" in str(err.value)
+
+
+def _placement(topo: Topology, nodes: list[str]) -> list[dict]:
+    """Rows as GroupState.placement gives them, rank r on nodes[r]."""
+    rows = []
+    for rank in range(topo.world_size):
+        c = topo.coord(rank)
+        rows.append({"rank": rank, "dp": c.dp, "pp": c.pp, "tp": c.tp, "node_id": nodes[rank]})
+    return rows
+
+
+def test_hsdp_shard_groups_are_consecutive_dp_ranks_and_spanning_ones_are_found():
+    """dp4 x tp2 with topology.dp_shard=2: the shard groups are dp (0, 1) and (2, 3) at each tp
+    rank, i.e. ranks {0, 2}, {1, 3}, {4, 6}, {5, 7}; on two nodes of 4 ranks none spans; with
+    the replicas placed alternately every group does."""
+    topo = Topology(dp=4, pp=1, tp=2)
+    assert groups_across_nodes(_placement(topo, ["a"] * 4 + ["b"] * 4), 2) == []
+    assert groups_across_nodes(_placement(topo, ["a", "a", "b", "b"] * 2), 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups_across_nodes(_placement(topo, ["a"] * 6 + ["b"] * 2), 2) == [[4, 6], [5, 7]]
+
+
+def test_a_run_warns_in_one_line_when_an_hsdp_shard_group_spans_nodes(tmp_path, caplog):
+    import dataclasses
+    import logging
+
+    from rayhybrid.config.schema import Config, TopologyConfig
+    from rayhybrid.driver.runlog import RunLog
+
+    cfg = dataclasses.replace(Config(topology=TopologyConfig(dp=4, dp_shard=2)), run_dir=str(tmp_path))
+    first = {"device_name": "cpu", "backend": "gloo", "device": "cpu", "model_params": 1, "loss_floor": None}
+    log = RunLog(cfg)
+    topo = Topology(dp=4, pp=1, tp=1)
+    with caplog.at_level(logging.WARNING, logger="rayhybrid"):
+        log.workers(cfg, _placement(topo, ["a", "a", "b", "b"]), [1, 2, 3, 4], first)
+        assert not caplog.records  # groups (0, 1) and (2, 3) each on one node
+        log.workers(cfg, _placement(topo, ["a", "b", "a", "b"]), [1, 2, 3, 4], first)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "2 shard group(s) span nodes (ranks [0, 1])" in line and "topology.dp_shard" in line
+    log.close("completed")

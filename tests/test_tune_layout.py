@@ -11,7 +11,7 @@ import pytest
 
 from rayhybrid.config.compose import compose, to_config
 from rayhybrid.tune import space
-from rayhybrid.tune.layout import STAGES_PER_RANK, LayoutPlan, factorizations
+from rayhybrid.tune.layout import STAGES_PER_RANK, LayoutPlan, factorizations, shard_options
 from rayhybrid.tune.microbatch import SLACK, TunePlan
 from rayhybrid.tune.trials import PEAK_PREFIX, Point
 
@@ -115,6 +115,22 @@ def test_layouts_are_the_factorizations_the_model_allows(cfg):
     two = LayoutPlan(cfg, devices=8, devices_per_node=2, global_batch=GLOBAL_BATCH, budget_mb=1e6)
     assert sorted(two.layouts) == sorted(f for f in expected if f[2] <= 2)
     assert {f for f in expected if f[2] > 2} == {(2, 1, 4), (1, 2, 4)}
+
+
+def test_hsdp_is_a_candidate_only_when_dp_spans_nodes(cfg):
+    """topology.dp_shard=N joins replicated and FSDP2 when a node holds N > 1 of dp's replicas
+    but not all of them: shards gathered inside a node, gradients across."""
+    assert shard_options(1, 2, 4, 8) == (False,)
+    assert shard_options(8, 1, 1, 8) == (False, True)  # every replica on one node: FSDP2 is the group
+    assert shard_options(8, 1, 1, 4) == (False, True, 4)
+    assert shard_options(4, 1, 2, 4) == (False, True, 2)
+    assert shard_options(4, 2, 1, 2) == (False, True)  # a replica fills a node: no group inside one
+    two = LayoutPlan(cfg, devices=8, devices_per_node=4, global_batch=GLOBAL_BATCH, budget_mb=1e6)
+    shards = {p.layout[5] for p in two.planned if p.layout[:3] == (8, 1, 1)}
+    assert shards == {False, True, 4} and {type(s) for s in shards} == {bool, int}
+    assert all(p.layout[5] in (False, True) for p in two.planned if p.layout[0] <= 2)
+    hsdp = next(p for p in two.planned if p.layout[5] == 4 and not isinstance(p.layout[5], bool))
+    assert hsdp.where() == "dp8 pp1 tp1 hsdp4"
 
 
 @pytest.mark.parametrize("max_trials", [10, 6])

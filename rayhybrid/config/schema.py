@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rayhybrid.config.topology import SCHEDULE_TABLE
+from rayhybrid.config.topology import SCHEDULE_TABLE, dp_multiple, shard_group_size
 
 SCHEDULES = tuple(SCHEDULE_TABLE)
 """Pipeline schedules, by config name. `interleaved_zb` and `zbv` are zero-bubble schedules."""
@@ -37,12 +37,31 @@ class TopologyConfig:
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     """Virtual pipeline stages per rank (interleaved schedules; `zbv` needs 2)."""
-    dp_shard: bool = False
-    """False: replicated data parallelism; true: FSDP2 sharding of parameters over dp."""
+    dp_shard: Any = False
+    """false (or 1): replicated data parallelism; true: FSDP2 sharding of parameters, gradients
+    and optimizer state over all of dp; an integer N dividing dp: HSDP, sharded over groups of
+    N consecutive dp ranks and replicated across the dp / N groups (N = dp: as true). Typed Any
+    so that a wrong value reaches the config check, which names the fix."""
     loss_parallel: str = "auto"
     """Keep the logits sharded over the vocabulary into the loss (tp > 1): true, false, or auto
     (when model.vocab_size >= 8192, where gathering full logits costs more memory and bandwidth
     than the loss's extra small all-reduces)."""
+
+    @property
+    def shard_group(self) -> int:
+        """The dp ranks each parameter is sharded over (1: replicated; dp: FSDP2 over all;
+        between: HSDP): the one answer every part of rayhybrid asks (config/topology.py)."""
+        return shard_group_size(self.dp_shard, self.dp)
+
+    @property
+    def hsdp(self) -> bool:
+        """Sharded within groups and replicated across them (1 < shard_group < dp)."""
+        return 1 < self.shard_group < self.dp
+
+    @property
+    def dp_multiple(self) -> int:
+        """dp moves in multiples of this (the shard group of an integer dp_shard, else 1)."""
+        return dp_multiple(self.dp_shard)
 
     def use_loss_parallel(self, vocab_size: int) -> bool:
         if self.tp == 1:
@@ -266,7 +285,7 @@ class FaultConfig:
     """Peer healing: after a failure, when every shard of the lost ranks still has a live copy
     on another data-parallel replica, the survivors keep their state in memory and the new
     ranks receive theirs from those copies: no completed step is trained again. Otherwise (dp=1,
-    topology.dp_shard, both copies lost) the run restores the latest checkpoint. With dp >= 2
+    topology.dp_shard=true, both copies lost) the run restores the latest checkpoint. With dp >= 2
     each step ends with a one-value all-reduce of every rank (the commit vote)."""
 
 

@@ -50,6 +50,48 @@ class Topology:
         return f"dp{self.dp}_pp{self.pp}_tp{self.tp}"
 
 
+def shard_group_size(dp_shard: bool | int, dp: int) -> int:
+    """The data-parallel ranks that shard each parameter, gradient and optimizer state
+    (`topology.dp_shard`): 1 for false or 1 (replicated), dp for true (FSDP2 over all of dp),
+    N for an integer 1 < N < dp (HSDP: groups of N consecutive dp ranks, each group holding
+    every shard, replicated across the dp / N groups). A validated config's N divides dp; here
+    N is only bounded to [1, dp] (an elastic run's dp is always a multiple of N)."""
+    if dp_shard is True:
+        return dp
+    if dp_shard is False:
+        return 1
+    return max(1, min(int(dp_shard), dp))
+
+
+def describe_data_parallel(dp: int, shard_group: int) -> str:
+    """How data parallelism runs, in words: "replicated dp", "FSDP2" (over all of dp) or
+    "HSDP (2 replicas x 4 shards)" (dp 8 in shard groups of 4)."""
+    if shard_group <= 1:
+        return "replicated dp"
+    if shard_group >= dp:
+        return "FSDP2"
+    return f"HSDP ({dp // shard_group} replicas x {shard_group} shards)"
+
+
+def groups_across_nodes(placement: list[dict], shard_group: int) -> list[list[int]]:
+    """HSDP: the shard groups that span nodes, each as its ranks. `placement`: one row per
+    rank with its "rank", "dp", "pp", "tp" and "node_id" (`GroupState.placement`). A shard
+    group is the `shard_group` ranks of the same pp and tp coordinates whose dp ranks are
+    consecutive from a multiple of `shard_group` (rank order, docs/design.md invariant 1)."""
+    groups: dict[tuple[int, int, int], list[dict]] = {}
+    for row in placement:
+        groups.setdefault((row["dp"] // shard_group, row["pp"], row["tp"]), []).append(row)
+    return [sorted(r["rank"] for r in rows) for rows in groups.values() if len({r["node_id"] for r in rows}) > 1]
+
+
+def dp_multiple(dp_shard: bool | int) -> int:
+    """What dp must be a multiple of under `dp_shard`: N for an integer N > 1 (whole shard
+    groups; an elastic run grows and shrinks by groups), else 1 (true shards over any dp)."""
+    if isinstance(dp_shard, bool):
+        return 1
+    return max(1, int(dp_shard))
+
+
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
     """Contiguous layer ranges for `n_stages` pipeline stages; earlier stages take the remainder.
 

@@ -74,6 +74,7 @@ def check(cfg: Config) -> None:
     _choice("train.dtype", tr.dtype, DTYPES)
     _choice("train.decay", tr.decay, DECAYS)
     _float8(cfg)
+    _dp_shard(cfg)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
 
     virtual = Layout.of(cfg).virtual_stages
@@ -100,6 +101,31 @@ def check(cfg: Config) -> None:
     else:
         _batch_split(cfg, t.dp)
     _held_out(cfg)
+
+
+def _dp_shard(cfg: Config) -> None:
+    """topology.dp_shard is a bool or an integer N that splits every dp the run may have into
+    whole shard groups (an elastic run's elastic.min_dp and max_dp too)."""
+    t, value = cfg.topology, cfg.topology.dp_shard
+    if isinstance(value, bool):
+        return
+    fix = "true (FSDP2 over all of dp), false (replicated), or an integer N dividing dp (HSDP over groups of N)"
+    if not isinstance(value, int):
+        raise ConfigError("topology.dp_shard", f"got {value!r} ({type(value).__name__}); set it to {fix}")
+    if value < 0:
+        raise ConfigError("topology.dp_shard", f"must not be negative, got {value}; set it to {fix}")
+    sizes = [("topology.dp", t.dp)]
+    if cfg.elastic.enabled:
+        low, high = cfg.elastic.dp_range(t.dp)
+        sizes = [("elastic.min_dp", low), ("elastic.max_dp" if cfg.elastic.max_dp else "topology.dp", high)]
+    for setting, dp in sizes:
+        if value > 1 and dp % value:
+            divisors = ", ".join(str(n) for n in range(1, dp + 1) if dp % n == 0)
+            raise ConfigError(
+                "topology.dp_shard",
+                f"{value} does not divide {setting}={dp} (HSDP shards over whole groups of {value} dp ranks); "
+                f"use one of {divisors}, true or false, or make {setting} a multiple of {value}",
+            )
 
 
 def _float8(cfg: Config) -> None:
@@ -157,6 +183,8 @@ def usable_dps(cfg: Config, low: int = 1, high: int | None = None) -> list[int]:
         low, high = cfg.elastic.dp_range(cfg.topology.dp)
     usable = []
     for dp in range(low, high + 1):
+        if dp % cfg.topology.dp_multiple:  # HSDP: whole shard groups only
+            continue
         try:
             _batch_split(cfg, dp)
         except ConfigError:

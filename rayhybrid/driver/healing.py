@@ -14,6 +14,7 @@ import time
 
 from rayhybrid.cluster.merge import merge_steps
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import shard_group_size
 from rayhybrid.driver.policies import HealPlan, HealPolicy
 from rayhybrid.driver.records import Interruption, steps_redone
 from rayhybrid.driver.runlog import RunLog
@@ -26,6 +27,7 @@ log = logging.getLogger("rayhybrid")
 class Healing:
     def __init__(self, cfg: Config, runlog: RunLog) -> None:
         self.policy = HealPolicy(cfg.fault.heal)
+        self.dp_shard = cfg.topology.dp_shard
         self.log = runlog
 
     def heal(
@@ -40,7 +42,7 @@ class Healing:
         if plan is None:
             return None
         log.info("healing %d rank(s) from their data-parallel peers at step %d", plan.transfers, plan.step)
-        sources = _by_rank(topo, plan)
+        sources = _by_rank(topo, self._group(topo), plan)
         mark = time.perf_counter()
         done = group.heal(sources)
         sent = sum(r.nbytes for rank, r in enumerate(done) if rank not in sources)  # what the senders sent
@@ -75,10 +77,11 @@ class Healing:
 
     def _plan(self, run: RunState, topo, kept: list[HeldState | None], latest) -> HealPlan | None:
         """The heal policy's plan for what the ranks of `topo` kept, or None (with the reason logged)."""
-        copies: dict[tuple[int, int], list] = {}
+        n = self._group(topo)
+        copies: dict[tuple[int, int, int], list] = {}
         for rank, k in enumerate(kept):
             c = topo.coord(rank)
-            copies.setdefault((c.pp, c.tp), [None] * topo.dp)[c.dp] = k.step if k else None
+            copies.setdefault((c.pp, c.tp, c.dp % n), [None] * (topo.dp // n))[c.dp // n] = k.step if k else None
         plan = self.policy.choose(copies, latest.step if latest is not None else None)
         if plan is None:
             why = "no rank kept its state" if not any(kept) else "a shard has no live copy of the newest step"
@@ -91,6 +94,11 @@ class Healing:
             )
             return None
         return plan
+
+    def _group(self, topo) -> int:
+        """The dp shard group size of the world `topo`: a shard is a (pp, tp, dp % N)
+        coordinate, and its copies are those of the dp / N replica groups."""
+        return shard_group_size(self.dp_shard, topo.dp)
 
 
 def _record(group, done: list[HealResult]) -> StepResult:
@@ -108,10 +116,11 @@ def _record(group, done: list[HealResult]) -> StepResult:
     return result
 
 
-def _by_rank(topo, plan: HealPlan) -> dict[int, int]:
-    """receiving rank -> sending rank, in the new world's ranks."""
+def _by_rank(topo, group: int, plan: HealPlan) -> dict[int, int]:
+    """receiving rank -> sending rank, in the new world's ranks: replica group g of shard
+    (pp, tp, s) is dp rank g * group + s."""
     return {
-        topo.rank(dp=d, pp=pp, tp=tp): topo.rank(dp=src, pp=pp, tp=tp)
-        for (pp, tp), receivers in plan.sources.items()
-        for d, src in receivers.items()
+        topo.rank(dp=g * group + s, pp=pp, tp=tp): topo.rank(dp=src * group + s, pp=pp, tp=tp)
+        for (pp, tp, s), receivers in plan.sources.items()
+        for g, src in receivers.items()
     }

@@ -8,6 +8,8 @@ nothing, so each rule is unit-tested in milliseconds without Ray (tests/test_pol
     slots = scaling.on_start(placed=[0, 1])               # the replica slots to start on
     slots = scaling.on_loss(active=[0, 1, 2], lost={1})    # [0, 2]: shrink to what is left
     slots = scaling.on_checkpoint(active=[0, 2], placed=[0, 1, 2])   # [0, 2, 1]: grow
+    hsdp = ScalingPolicy(usable=[2, 4], min_dp=2, group=2)   # topology.dp_shard=2
+    slots = hsdp.on_loss(active=[0, 1, 2, 3], lost={1})      # [2, 3]: the whole group
 
     healing = HealPolicy(enabled=True)
     plan = healing.choose({(0, 0): [7, None], (0, 1): [7, 7]}, checkpoint_step=5)
@@ -87,15 +89,20 @@ class ScalingPolicy:
     usable: Sequence[int]
     min_dp: int
     elastic: bool = True
+    group: int = 1
+    """HSDP's shard group (`topology.dp_shard=N`): dp moves by whole groups of N consecutive
+    slots (`usable` holds multiples of N only), and a shrink keeps the groups that lost no
+    replica first, so their ranks keep the shards they hold (and can heal the others)."""
 
     @classmethod
     def of(cls, cfg) -> ScalingPolicy:
         """The policy a config asks for: its topology.dp alone, or elastic.* over the dp values
         that split the global batch."""
+        group = cfg.topology.dp_multiple
         if not cfg.elastic.enabled:
-            return cls([cfg.topology.dp], cfg.topology.dp, elastic=False)
-        usable = usable_dps(cfg)
-        return cls(usable, min(d for d in usable if d >= cfg.elastic.min_dp), elastic=True)
+            return cls([cfg.topology.dp], cfg.topology.dp, elastic=False, group=group)
+        usable = usable_dps(cfg)  # whole shard groups only
+        return cls(usable, min(d for d in usable if d >= cfg.elastic.min_dp), elastic=True, group=group)
 
     @property
     def slots(self) -> int:
@@ -119,8 +126,16 @@ class ScalingPolicy:
         keep = [slot for slot in active if slot not in lost]
         if len(keep) < len(active) and not self.elastic:
             return []
+        keep = self._whole_groups_first(active, lost)
         keep = keep[: self.fit(len(keep))]
         return keep if len(keep) >= self.min_dp else []
+
+    def _whole_groups_first(self, active: Sequence[int], lost: set[int] | frozenset[int]) -> list[int]:
+        """The survivors of `active`: those of the shard groups (`group` consecutive slots)
+        that lost none first, then those of the others; each part in its order."""
+        groups = [list(active[i : i + self.group]) for i in range(0, len(active), self.group)]
+        whole = [slot for g in groups if not lost & set(g) for slot in g]
+        return whole + [slot for g in groups if lost & set(g) for slot in g if slot not in lost]
 
     def on_checkpoint(self, active: Sequence[int], placed: Sequence[int]) -> list[int] | None:
         """At a checkpoint boundary: the larger set of slots to grow to, when more replicas are
@@ -152,7 +167,8 @@ class HealPlan:
 @dataclass(frozen=True)
 class HealPolicy:
     """Peer healing or the checkpoint (`fault.heal`): heal when every shard of the model (a
-    (pp, tp) coordinate) still has a copy of the newest step any rank holds. The survivors of
+    (pp, tp) coordinate, and with HSDP the shard coordinate in a dp shard group) still has a
+    copy of the newest step any rank holds. The survivors of
     a failure may hold two steps (those that passed the last commit vote stepped, the others
     did not); healing goes forward to the newer, never back. A checkpoint newer than every copy,
     or a shard with no copy of that step, means the checkpoint (None)."""

@@ -33,7 +33,7 @@ import weakref
 from pathlib import Path
 
 from rayhybrid.config.schema import Config
-from rayhybrid.config.topology import Layout
+from rayhybrid.config.topology import Layout, describe_data_parallel, groups_across_nodes
 from rayhybrid.driver.raytext import RayText
 from rayhybrid.driver.records import Interruption, RunSummary, StepMetrics
 from rayhybrid.driver.reporting import Reporter
@@ -201,6 +201,15 @@ class RunLog:
         """The workers as they describe themselves, once they are (re)started: workers.json, and
         the summary's topology and workers."""
         self.write_json("workers.json", [{**p, "pid": pid} for p, pid in zip(placement, pids)])
+        t = cfg.topology
+        if t.hsdp and (spanning := groups_across_nodes(placement, t.shard_group)):
+            log.warning(
+                "HSDP: %d shard group(s) span nodes (ranks %s), so their parameters are gathered across nodes "
+                "every step; place %d replicas per node (more devices per node) or lower topology.dp_shard",
+                len(spanning),
+                spanning[0],
+                t.shard_group,
+            )
         self.summary.topology.update(Layout.of(cfg).summary())
         self.summary.workers = {
             "placement": placement,
@@ -355,10 +364,10 @@ def announce(cfg: Config, scaling, use_gpu: bool) -> None:
     usable, elastic = scaling.usable, scaling.elastic
     if elastic:
         low, high = cfg.elastic.dp_range(t.dp)
-        skipped = [d for d in range(low, high + 1) if d not in usable]
+        skipped = [d for d in range(low, high + 1) if d not in usable and d % t.dp_multiple == 0]
         tr = cfg.train
         log.info(
-            "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s",
+            "elastic: %d to %d replicas of pp %d x tp %d; usable dp %s%s%s",
             scaling.min_dp,
             usable[-1],
             t.pp,
@@ -368,6 +377,7 @@ def announce(cfg: Config, scaling, use_gpu: bool) -> None:
             f"micro-batches of {tr.micro_batch_size}; the run uses the largest usable dp it can place)"
             if skipped
             else "",
+            f"; HSDP: dp grows and shrinks by whole shard groups of {t.dp_multiple}" if t.dp_multiple > 1 else "",
         )
     log.info(
         "rayhybrid: %s ranks = dp %s x pp %d x tp %d (%s, %s, %s micro-batches of %d) on %s",
@@ -376,7 +386,7 @@ def announce(cfg: Config, scaling, use_gpu: bool) -> None:
         t.pp,
         t.tp,
         t.schedule if t.pp > 1 else "no pipeline",
-        "FSDP2" if t.dp_shard else "replicated dp",
+        describe_data_parallel(t.dp, t.shard_group),
         "G/(dp x mb)" if elastic else layout.num_microbatches,
         cfg.train.micro_batch_size,
         "GPU" if use_gpu else "CPU",

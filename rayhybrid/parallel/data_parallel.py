@@ -1,4 +1,5 @@
-"""Data parallelism over the dp mesh: FSDP2 `fully_shard` or FSDP2-style `replicate`."""
+"""Data parallelism over the dp mesh: FSDP2 `fully_shard` (HSDP on a 2-D mesh) or FSDP2-style
+`replicate`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ def apply_data_parallel(
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard (`shard=True`: each block, then the root, so parameters are gathered block by
-    block) or replicate the module; gradients are averaged over dp either way."""
+    block) or replicate the module; gradients are averaged over dp either way. A 2-D
+    `dp_mesh` ("dp_replicate", "dp_shard": `topology.dp_shard=N`, see parallel/mesh.py
+    `split_dp`) with `shard=True` is HSDP: sharded over the second dimension, replicated over
+    the first."""
     if shard:
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)

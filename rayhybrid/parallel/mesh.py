@@ -1,4 +1,5 @@
-"""Process group, backend choice and the named ("dp", "pp", "tp") device mesh.
+"""Process group, backend choice and the named ("dp", "pp", "tp") device mesh (with HSDP, dp
+split into ("dp_replicate", "dp_shard") as well).
 
 torch is imported where it is used: the device choice (`choose_device`) needs none, so a rank
 reports what it would choose (`TrainWorker.placement`, cluster/worker.py) without the seconds
@@ -201,11 +202,36 @@ def joining(collective_s: float, timeout_s: float = JOIN_TIMEOUT_S):
             c10d._set_pg_timeout(c10d._get_default_timeout(dist.get_backend(group)), group)
 
 
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+"""HSDP's split of dp (`topology.dp_shard=N`): dp = dp_replicate x dp_shard, shard fastest."""
+
+
 def build_mesh(dp: int, pp: int, tp: int, device: torch.device) -> DeviceMesh:
     """The one mesh every sub-group comes from; rank order is tp fastest, dp outermost."""
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def split_dp(mesh: DeviceMesh, shard_group: int) -> DeviceMesh:
+    """`mesh` for building the model: with HSDP (1 < shard_group < dp), dp split into
+    ("dp_replicate", "dp_shard") = (dp / shard_group, shard_group) beside "pp" and "tp" (the
+    same groups as `mesh`'s); else `mesh` itself. A shard group is `shard_group` consecutive dp
+    ranks: dp rank d is in replica group d // shard_group at shard coordinate d % shard_group.
+    `mesh` keeps its "dp" (the loss's all-reduce, the data's split, healing use it). Forms the
+    new dimensions' process groups: call it once, on every rank."""
+    dp = mesh["dp"].size()
+    if not 1 < shard_group < dp:
+        return mesh
+    assert dp % shard_group == 0, (dp, shard_group)  # the config check refuses another
+    return mesh._unflatten("dp", (dp // shard_group, shard_group), HSDP_DIMS)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh data parallelism runs on: ("dp_replicate", "dp_shard") for HSDP (FSDP2's
+    `fully_shard` on a 2-D mesh shards over the second dimension and replicates over the
+    first), else "dp"."""
+    return mesh[HSDP_DIMS] if HSDP_DIMS[1] in (mesh.mesh_dim_names or ()) else mesh["dp"]
 
 
 def forget_group_names() -> None:

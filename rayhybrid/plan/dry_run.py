@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rayhybrid.config.schema import Config
-from rayhybrid.config.topology import Layout, Topology
+from rayhybrid.config.topology import Layout, Topology, describe_data_parallel
 from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import BUILTIN, settings_of
 from rayhybrid.plan import estimate as est
@@ -135,6 +135,7 @@ def _config_section(cfg: Config, world_size: int, num_stages: int) -> dict:
         "stages_per_rank": Layout.of(cfg).virtual_stages,
         "num_stages": num_stages,
         "dp_shard": t.dp_shard,
+        "shard_group": t.shard_group,
         "loss_parallel": t.tp > 1 and t.use_loss_parallel(model.vocab_size),
         "model": model.module or model.name,
         "flavor": model.flavor,
@@ -189,7 +190,7 @@ def _rank_rows(
 def _stage_rows(cfg: Config, all_stages: list[est.Stage], modelled: bool) -> list[dict]:
     """The plan's parameters per stage (None where the model has no memory model)."""
     t = cfg.topology
-    shard = t.dp if (t.dp_shard and t.dp > 1) else 1
+    shard = t.shard_group
     return [
         {
             "stage": st.index,
@@ -304,7 +305,7 @@ def _title_lines(c: dict) -> list[str]:
     return [
         (
             f"rayhybrid plan: dp={c['dp']} x pp={c['pp']} x tp={c['tp']} = {c['world_size']} ranks{sched}"
-            f"{', FSDP2' if c['dp_shard'] and c['dp'] > 1 else ''}"
+            f"{', ' + describe_data_parallel(c['dp'], c['shard_group']) if c['shard_group'] > 1 else ''}"
         ),
         f"model {c['model']}{flavor} ({shape}, vocab {c['vocab_size']}), "
         f"seq {c['seq_len']}, global batch {c['global_batch_size']} = dp {c['dp']} x {c['num_microbatches']} "

@@ -234,6 +234,8 @@ def communication(cfg: Config, pp_rank: int) -> dict:
       synchronise on the last one). FSDP2: all-gathers of the parameters (without a pipeline:
       every micro-batch gathers every parameter twice, for forward and again for backward; in
       a pipeline: once per step, kept to the end) and one reduce-scatter of the gradients.
+      HSDP (`topology.dp_shard=N`): the same within a shard group of N, then an all-reduce of
+      the reduce-scattered gradient shard across the dp / N replica groups.
     - tp, per micro-batch: forward, the all-reduce after each row-parallel projection (wo, w2:
       2 per block, in the activation dtype) and after the vocab-parallel embedding; the gathered
       logits (or, with loss parallelism, three all-reduces of b x s for the loss); backward, the
@@ -259,7 +261,8 @@ def dp_communication(cfg: Config, owned: list[Stage]) -> dict:
     local = FLOAT * sum(p.local_numel(t.tp) for st in owned for p in st.tensors)
     if t.dp == 1:
         return {"kind": "none", "payload_bytes": 0, "wire_bytes": 0}
-    if not t.dp_shard:
+    n = t.shard_group
+    if n == 1:
         return {
             "kind": "all-reduce of gradients",
             "payload_bytes": local,
@@ -268,13 +271,20 @@ def dp_communication(cfg: Config, owned: list[Stage]) -> dict:
     # Without a pipeline every micro-batch gathers each block and the root twice (forward,
     # and again for backward); a pipeline gathers once and keeps them to the step's end.
     gathered = local if t.pp > 1 else 2 * _microbatches(cfg) * local
-    return {
+    out = {
         "kind": "FSDP2 all-gather of parameters + reduce-scatter of gradients",
         "all_gather_bytes": gathered,
         "reduce_scatter_bytes": local,
         "payload_bytes": gathered + local,
-        "wire_bytes": ring_gather_wire(gathered, t.dp) + ring_gather_wire(local, t.dp),
+        "wire_bytes": ring_gather_wire(gathered, n) + ring_gather_wire(local, n),
     }
+    if n < t.dp:  # HSDP: the shard groups' gradient shards are averaged across the replicas
+        shard = local // n
+        out["kind"] = f"HSDP: {out['kind']} within {n} ranks + all-reduce of gradient shards across {t.dp // n}"
+        out["all_reduce_bytes"] = shard
+        out["payload_bytes"] += shard
+        out["wire_bytes"] += ring_all_reduce_wire(shard, t.dp // n)
+    return out
 
 
 def tp_communication(cfg: Config, owned: list[Stage]) -> dict:

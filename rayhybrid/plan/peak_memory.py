@@ -277,9 +277,8 @@ def stage_costs(cfg: Config, pp_rank: int, all_stages: list[Stage], cuda: bool =
 
 
 def _fsdp_divisor(cfg: Config) -> int:
-    """The dp ranks FSDP2 shards the parameters over (1: replicated or no dp)."""
-    t = cfg.topology
-    return t.dp if t.dp_shard and t.dp > 1 else 1
+    """The dp ranks FSDP2 shards the parameters over (1: replicated or no dp; N with HSDP)."""
+    return cfg.topology.shard_group
 
 
 @dataclass
@@ -327,7 +326,7 @@ class DataParallelCopies:
 def data_parallel_copies(cfg: Config, tensors: list[ParamTensor]) -> DataParallelCopies:
     """Unsharded parameter copies that data parallelism holds while forward and backward run."""
     t = cfg.topology
-    shard = t.dp_shard and t.dp > 1
+    shard = t.shard_group > 1  # FSDP2 or HSDP: the same gathers, within the shard group
     unsharded = FLOAT * sum(p.local_numel(t.tp) for p in tensors)
     out = DataParallelCopies(0, True, [])
     if t.dp > 1 and not shard:

@@ -24,6 +24,7 @@ from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.spec import ModelSpec
 from rayhybrid.parallel.compile import check_compile
 from rayhybrid.parallel.float8 import check_float8, convert_blocks
+from rayhybrid.parallel.mesh import data_parallel_mesh, split_dp
 from rayhybrid.storage.store import one_line
 from rayhybrid.trainer.optim import build_optimizer
 from rayhybrid.trainer.startup import mark
@@ -50,6 +51,7 @@ def build_stages(
     torch cannot run compiled: ConfigError before any is built."""
     check_float8(cfg.train.float8, device)
     check_compile(cfg.train.compile, cfg.topology.schedule, cfg.topology.pp)
+    mesh = split_dp(mesh, cfg.topology.shard_group)  # HSDP: dp as ("dp_replicate", "dp_shard"), once
     ranges, stages = layout.stage_layers, []
     for i in layout.stages_of(pp_rank):
         stage = build_stage(
@@ -93,8 +95,8 @@ def build_stage(
     return spec.parallelize(
         stage,
         tp_mesh=mesh["tp"],
-        dp_mesh=mesh["dp"],
-        dp_shard=cfg.topology.dp_shard,
+        dp_mesh=data_parallel_mesh(mesh),  # 2-D (replicate, shard) with HSDP
+        dp_shard=cfg.topology.shard_group > 1,
         activation_checkpointing=cfg.train.activation_checkpointing,
         loss_parallel=loss_parallel,
         reshard_after_forward=cfg.topology.pp == 1,

@@ -11,8 +11,10 @@ new process group to the ranks of other replicas that lost theirs (no Ray here).
 What a rank holds is its local shards (`DTensor.to_local()`) of the model and optimizer state,
 its RNG state, the step and the samples consumed (which fix the data position: sample i is a
 function of the data, the seed and i). With the same pipeline and tensor-parallel coordinates,
-a rank of another data-parallel replica holds the same shards, whatever dp is, unless FSDP
-shards over dp (`topology.dp_shard`), which heal never uses. The tensors go rank to rank with
+a rank of another data-parallel replica holds the same shards, whatever dp is. With HSDP
+(`topology.dp_shard=N`, 1 < N < dp) a parameter is sharded over a group of N dp ranks, and
+the rank with the same shard coordinate (dp % N) in another group holds the same shards; with
+FSDP over all of dp (`topology.dp_shard=true`) no rank holds another's, and heal is off. The tensors go rank to rank with
 `torch.distributed` point-to-point sends on the run's all-ranks group, in the order of their
 names, which both sides list from the same model.
 """
@@ -32,15 +34,19 @@ from rayhybrid.trainer.results import StepResult
 
 def heal_enabled(cfg) -> bool:
     """Whether this layout votes before each optimizer step and keeps its state on a failure:
-    fault.heal, with a second replica holding the same shards (dp >= 2, no FSDP over dp)."""
+    fault.heal, with a second copy of every shard (two replica groups or more: dp >= 2
+    replicated, dp / N >= 2 with HSDP; never with FSDP over all of dp)."""
     t = cfg.topology
-    return bool(cfg.fault.heal) and t.dp >= 2 and not t.dp_shard
+    return bool(cfg.fault.heal) and t.dp // t.shard_group >= 2
 
 
 def shape_of(trainer) -> tuple:
-    """What a rank's shards are: its pp and tp coordinates, the pp and tp sizes and its stages."""
-    t = trainer.cfg.topology
-    return (trainer.coord.pp, trainer.coord.tp, t.pp, t.tp, tuple(i for i, _ in trainer.stages))
+    """What a rank's shards are: its pp and tp coordinates, its shard coordinate within its dp
+    shard group and that group's size (0 and 1 when replicated), the pp and tp sizes and its
+    stages."""
+    t, c = trainer.cfg.topology, trainer.coord
+    n = t.shard_group
+    return (c.pp, c.tp, c.dp % n, n, t.pp, t.tp, tuple(i for i, _ in trainer.stages))
 
 
 @dataclass

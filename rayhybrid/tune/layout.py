@@ -5,7 +5,8 @@ a way to train that batch:
 - dp x pp x tp = devices, with tp dividing a node's devices (tensor parallelism stays on a node);
 - the schedule (pp > 1: gpipe, 1f1b, and with two stages per rank interleaved_1f1b,
   interleaved_zb, zbv);
-- dp_shard (dp > 1: replicated or FSDP2-sharded);
+- dp_shard (dp > 1: replicated or FSDP2-sharded; and when dp spans nodes, HSDP over the
+  replicas one node holds: `shard_options`);
 - activation checkpointing (the settings `tune.activation_checkpointing` asks for);
 - the micro-batch size, among the sizes that divide G / dp (and leave a valid schedule).
 
@@ -31,6 +32,7 @@ the measured peak, for every trial.
 from __future__ import annotations
 
 import logging
+import math
 
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import SCHEDULE_TABLE
@@ -56,6 +58,16 @@ def factorizations(devices: int, devices_per_node: int) -> list[tuple[int, int, 
             if (devices // tp) % pp == 0:
                 out.append((devices // (tp * pp), pp, tp))
     return out
+
+
+def shard_options(dp: int, pp: int, tp: int, devices_per_node: int) -> tuple:
+    """The topology.dp_shard values a search tries for a layout: replicated and FSDP2 over all
+    of dp (dp > 1), and HSDP with a shard group of the replicas one node holds, when dp spans
+    more than one node's (so shards are gathered inside a node and only gradients cross)."""
+    if dp == 1:
+        return (False,)
+    group = math.gcd(dp, devices_per_node // (pp * tp))
+    return (False, True, group) if 1 < group < dp else (False, True)
 
 
 def _layout_point(dp, pp, tp, schedule, dp_shard, ac, m, per_replica) -> Point:
@@ -114,7 +126,7 @@ class LayoutPlan:
             found = False
             schedules = list(STAGES_PER_RANK) if pp > 1 else ["1f1b"]
             for schedule in schedules:
-                for dp_shard in (False, True) if dp > 1 else (False,):
+                for dp_shard in shard_options(dp, pp, tp, self.devices_per_node):
                     base = _layout_point(dp, pp, tp, schedule, dp_shard, False, 1, global_batch // dp).as_config("")
                     for m in batch_sizes(self.cfg, global_batch // dp, base):
                         for ac in settings:
@@ -184,7 +196,7 @@ class LayoutPlan:
         """One change at a time from `best`: the neighbouring micro-batch sizes, the other
         schedules and dp_shard (each at the micro-batch nearest best's), checkpointing (at the
         largest micro-batch it fits)."""
-        dp, pp, _, schedule, _, shard = best.layout
+        dp, pp, tp, schedule, _, shard = best.layout
         same = [p for p in self.fitting if p.layout[:3] == best.layout[:3]]
 
         def like(schedule=schedule, shard=shard, ac=best.activation_checkpointing) -> list[Point]:
@@ -209,8 +221,9 @@ class LayoutPlan:
         for other in (s for s in STAGES_PER_RANK if s != schedule and pp > 1):
             if options := like(schedule=other):
                 out.append(near(options))
-        if dp > 1 and (options := like(shard=not shard)):
-            out.append(near(options))
+        for other in (s for s in shard_options(dp, pp, tp, self.devices_per_node) if s != shard):
+            if options := like(shard=other):
+                out.append(near(options))
         if options := like(ac=not best.activation_checkpointing):
             out.append(max(options, key=lambda p: p.micro_batch_size))
         return out

@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 from rayhybrid.config.schema import Config
+from rayhybrid.config.topology import shard_group_size
 from rayhybrid.tune.layout import LayoutPlan
 from rayhybrid.tune.memory_search import LinearMemoryModel, Trial
 from rayhybrid.tune.microbatch import TunePlan
@@ -67,7 +68,7 @@ def _rows(cfg: Config, plan) -> list[dict]:
                 "pp": t["pp"],
                 "tp": t["tp"],
                 "schedule": (t["schedule"] if t["pp"] > 1 else "-"),
-                "dp_shard": int(bool(t["dp_shard"])),
+                "dp_shard": shard_group_size(t["dp_shard"], t["dp"]),  # 1: replicated; dp: FSDP2; else HSDP
                 "micro_batch_size": p.micro_batch_size,
                 "num_microbatches": p.num_microbatches,
                 "global_batch_size": t["dp"] * p.micro_batch_size * p.num_microbatches,

@@ -33,11 +33,13 @@ class Point:
         }
 
     def where(self) -> str:
-        """The layout, e.g. "dp2 pp4 tp1 1f1b sharded" ("" on the base topology)."""
+        """The layout, e.g. "dp2 pp4 tp1 1f1b sharded", "dp4 pp1 tp2 hsdp2" (HSDP, shard groups
+        of 2) ("" on the base topology)."""
         if not self.layout:
             return ""
         dp, pp, tp, schedule, _, shard = self.layout
-        return f"dp{dp} pp{pp} tp{tp}{' ' + schedule if pp > 1 else ''}{' sharded' if shard else ''}"
+        sharding = " sharded" if shard is True else f" hsdp{shard}" if shard else ""
+        return f"dp{dp} pp{pp} tp{tp}{' ' + schedule if pp > 1 else ''}{sharding}"
 
     def label(self) -> str:
         """A short name for plots, e.g. "dp2 pp4 tp1 1f1b mb2x4 AC"."""
