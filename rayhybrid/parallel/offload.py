@@ -7,7 +7,8 @@ Each block's forward runs under torch's `saved_tensors_hooks` (a forward pre-hoo
 a forward hook leaves them): the pack hook copies a saved activation to host memory and hands
 autograd the host copy; the unpack hook gives autograd the tensor back on the block's device.
 What is not an activation stays where it is: parameters and their views (and bfloat16
-autocast's cached copies of them), tensors already in host memory, tensors under `MIN_BYTES`.
+autocast's cached copies of them), tensors already in host memory, tensors under `MIN_BYTES`,
+tensor subclasses other than DTensor (float8's scaled tensors stay on the device).
 A DTensor (tensor parallelism) moves its local tensor and is rebuilt around it on the way back.
 With activation checkpointing the hooks see only what the checkpoint keeps, the block's input
 (torch's non-reentrant checkpoint saves it outside its own hooks); the recomputation in backward
@@ -53,11 +54,16 @@ def _weight_like(t: torch.Tensor) -> bool:
 
 
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-    """A DTensor's local tensor and what rebuilds it; a plain tensor as it is."""
+    """A DTensor's local tensor and what rebuilds it; a collective's lazily waited result
+    (`AsyncCollectiveTensor`, e.g. tp's embedding all-reduce read by the first block) as the
+    plain tensor it wraps, waited for; any other tensor as it is."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
         return t._local_tensor, (t.device_mesh, t.placements, t.shape, t.stride())
+    if isinstance(t, AsyncCollectiveTensor):
+        return t.wait(), None
     return t, None
 
 
@@ -142,6 +148,7 @@ class BlockOffload:
         block = self._current
         if (
             block is None
+            or type(local) is not torch.Tensor  # another tensor subclass (float8's): its own layout
             or (local.device.type == "cpu" and self.cuda)
             or local.numel() * local.element_size() < MIN_BYTES
             or _weight_like(t)

@@ -51,6 +51,7 @@ class _StageCost:
     out_send: int  # b x s x d sent to the next stage's rank per micro-batch (0: same rank or last)
     grad_send: int  # b x s x d gradient sent back per micro-batch (0: same rank or first)
     grad_extra: int  # bytes beyond 4 x params in the gradients (DTensor quirks)
+    host: int = 0  # train.offload_activations: what the blocks save, in host memory per micro-batch
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RankMemory:
     notes: list[str] = field(default_factory=list)
     saved_peak: int = 0  # most bytes saved for backward at any point of the step (with the kept logits)
     max_in_flight: dict[int, int] = field(default_factory=dict)  # most micro-batches in flight per stage
+    host_activations: int = 0  # train.offload_activations: most activation bytes in host memory
 
     @property
     def total(self) -> int:
@@ -108,6 +110,7 @@ class RankMemory:
             "in_flight": {str(k): v for k, v in self.in_flight.items()},
             "saved_peak_mb": self.saved_peak / MB,
             "max_in_flight": {str(k): v for k, v in self.max_in_flight.items()},
+            "host_activations_mb": self.host_activations / MB,
             "notes": self.notes,
         }
 
@@ -206,6 +209,41 @@ def zero_bubble_intermediates(cfg: Config, stage: Stage) -> int:
     per_block = memory_model(cfg).w_outputs(cfg, t.tp)
     head = FLOAT * cfg.data.seq_len * (cfg.model.d_model + vocab_local(cfg)) if stage.last else 0
     return cfg.train.micro_batch_size * (len(stage.layers) * per_block + head)
+
+
+def offload_activations(cfg: Config, costs: dict[int, _StageCost], cuda: bool) -> str | None:
+    """train.offload_activations (rayhybrid/parallel/offload.py): what each block saves (all of
+    its activations, with checkpointing its input) goes to host memory per micro-batch
+    (`_StageCost.host`; the walk keeps the most it holds). On CUDA it leaves the device's
+    saved activations, all but the receive buffer (a later stage's first input, which stays),
+    and the device holds what is in flight instead: the block computing and one copying (to
+    the host in forward, back in backward, fetched ahead), added to the forward's and the
+    blocks' backward transients. On a CPU device the host is the device: the copies sit in the
+    same memory (the meter sees the blocks' saved bytes either way), the backward reads them
+    where they are, and only the end of a block's forward holds one block's worth more: its
+    own saved tensors beside their copies. Returns the plan's note."""
+    if not cfg.train.offload_activations:
+        return None
+    bsd = _bsd(cfg)
+    act = BF16 if cfg.train.dtype == "bfloat16" else FLOAT
+    per_block = bsd if cfg.train.activation_checkpointing else cfg.train.micro_batch_size * block_bytes(cfg)
+    for c in costs.values():
+        c.host = len(c.stage.layers) * per_block
+        if not c.host:
+            continue
+        # The end of a block's forward, before the head has saved anything: its saved tensors
+        # (kept until then) beside their host copies, its MLP output; on CUDA the previous
+        # block's copy may still be in flight, and the last block's during the head's forward.
+        block_end = (
+            per_block * (2 if cuda else 1) + act * cfg.train.micro_batch_size * cfg.data.seq_len * cfg.model.d_model
+        )
+        c.fwd_transient = max(c.fwd_transient + (per_block if cuda else 0), block_end - c.head_saved)
+        if cuda:
+            c.held += (0 if c.stage.first else bsd) - c.host
+            c.block_transient += 2 * per_block
+    if cuda:
+        return "activation offload: the blocks' saved activations in host memory; two blocks' worth in flight on the device"
+    return "activation offload: the blocks' saved activations in host memory (on a CPU device, the same memory)"
 
 
 def gradient_extra(cfg: Config, stage: Stage) -> int:
@@ -405,6 +443,7 @@ class ScheduleWalk:
         self.stale = 0
         self.peak: RankMemory | None = None
         self.saved_peak, self.max_in_flight = 0, dict(self.held)
+        self.host = 0  # most activation bytes in host memory (train.offload_activations)
 
     def run(self) -> RankMemory:
         t = self.cfg.topology
@@ -423,6 +462,7 @@ class ScheduleWalk:
         """What is alive during `where`, with `transient` bytes of its own: the peak if highest."""
         saved = sum(self.costs[sid].held * n for sid, n in self.held.items()) + self.intermediates
         self.saved_peak = max(self.saved_peak, saved + self.kept_logits)
+        self.host = max(self.host, sum(self.costs[sid].host * n for sid, n in self.held.items()))
         for sid, n in self.held.items():
             self.max_in_flight[sid] = max(self.max_in_flight[sid], n)
         res = self.resident
@@ -540,10 +580,11 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
     """
     t = cfg.topology
     costs = stage_costs(cfg, pp_rank, stages(cfg))
+    offload = offload_activations(cfg, costs, cuda)
     state = weight_and_optimizer_memory(cfg, costs)
     copies = data_parallel_copies(cfg, state.tensors)
     autocast = autocast_weights(cfg, state.tensors)
-    notes = list(copies.notes)
+    notes = list(copies.notes) + ([offload] if offload else [])
     if cfg.train.dtype == "bfloat16":
         notes.append("bfloat16 autocast keeps a bfloat16 copy of every matrix for the step")
     recv = receive_buffers(cfg, costs)
@@ -558,4 +599,5 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
     if t.schedule == "gpipe" and t.pp > 1 and not peak.grads:
         notes.append("GPipe peaks before the first backward ends: no gradients exist yet at the peak")
     peak.notes, peak.saved_peak, peak.max_in_flight = notes, walk.saved_peak, walk.max_in_flight
+    peak.host_activations = walk.host
     return peak

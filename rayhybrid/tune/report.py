@@ -31,6 +31,7 @@ COLUMNS = {
     "num_microbatches": "n_micro",
     "global_batch_size": "G",
     "activation_checkpointing": "AC",
+    "offload_activations": "offload",
     "peak_mb": "peak_mb",
     "planned_mb": "planned",
     "predicted_peak_mb": "fitted",
@@ -70,6 +71,7 @@ def _rows(cfg: Config, plan) -> list[dict]:
                 "num_microbatches": p.num_microbatches,
                 "global_batch_size": t["dp"] * p.micro_batch_size * p.num_microbatches,
                 "activation_checkpointing": int(p.activation_checkpointing),
+                "offload_activations": int(p.offload_activations),
                 "peak_mb": round(r.peak_mb, 4) if r.peaks_mb else "",
                 "planned_mb": _rounded(r.planned_mb),
                 "predicted_peak_mb": _rounded(r.predicted_peak_mb),
@@ -95,6 +97,7 @@ def training_overrides(cfg: Config, best: Record) -> list[str]:
         f"train.micro_batch_size={p.micro_batch_size}",
         f"train.global_batch_size={t['dp'] * p.micro_batch_size * p.num_microbatches}",
         f"train.activation_checkpointing={str(p.activation_checkpointing).lower()}",
+        *(["train.offload_activations=true"] if p.offload_activations else []),
     ]
 
 
