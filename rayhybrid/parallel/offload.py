@@ -42,14 +42,28 @@ MIN_BYTES = 1024
 would cost more than it frees."""
 
 
+WEIGHT_PATH = frozenset(
+    {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "AliasBackward0"}
+)
+"""The autograd nodes between a parameter and what a linear saves of it: autocast's cast,
+the transpose or view the matmul reads."""
+
+
 def _weight_like(t: torch.Tensor) -> bool:
-    """A parameter, a view of one, or autocast's cast copy of one (a view of that included)."""
-    base = t._base if t._base is not None else t
-    if isinstance(base, nn.Parameter):
+    """A parameter, a view of one, or autocast's cast copy of one (a view of that included):
+    its autograd history leads, through casts and views only, to a parameter."""
+    if isinstance(t, nn.Parameter):
         return True
-    fn = base.grad_fn
-    if fn is not None and type(fn).__name__ == "ToCopyBackward0":
-        return any(isinstance(getattr(nxt, "variable", None), nn.Parameter) for nxt, _ in fn.next_functions)
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        if type(fn).__name__ == "AccumulateGrad":
+            return isinstance(fn.variable, nn.Parameter)
+        inputs = [nxt for nxt, _ in fn.next_functions if nxt is not None]
+        if type(fn).__name__ not in WEIGHT_PATH or len(inputs) != 1:
+            return False
+        fn = inputs[0]
     return False
 
 
@@ -61,7 +75,8 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        return t._local_tensor, (t.device_mesh, t.placements, t.shape, t.stride())
+        with torch.no_grad():
+            return t.to_local(), (t.device_mesh, t.placements, t.shape, t.stride())
     if isinstance(t, AsyncCollectiveTensor):
         return t.wait(), None
     return t, None
