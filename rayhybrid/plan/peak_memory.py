@@ -4,7 +4,8 @@ parameters, gradients and optimizer state (`weight_and_optimizer_memory`), data 
 unsharded copies (`data_parallel_copies`), bfloat16 autocast's copies (`autocast_weights`), the
 batch (`batch_memory`), the pipeline's receive buffers (`receive_buffers`), what is alive at
 each action of the schedule (`ScheduleWalk`) and the optimizer step
-(`optimizer_step_memory`); `rank_memory` adds them up and keeps the peak.
+(`optimizer_step_memory`), activation offload's device and host shares
+(`offload_activations`); `rank_memory` adds them up and keeps the peak.
 
 Bytes are counted the way the trainer's meter counts them (see rayhybrid/plan/estimate.py, whose
 formulas this module builds on). No torch, no Ray.
@@ -565,7 +566,8 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
       micro-batches accumulate);
     - activations: what autograd saves for each micro-batch in flight (`block_bytes`,
       `head_bytes`; with checkpointing each block's input only); zero bubble: plus the output
-      gradients kept from I to W;
+      gradients kept from I to W; with train.offload_activations on CUDA, the blocks' share in
+      host memory (`host_activations`) and two blocks' worth in flight instead;
     - pipeline buffers: a receive buffer per micro-batch and boundary direction (allocated once,
       kept), every micro-batch's logits on the last stage (torch merges them after the step),
       tensors still referenced by sends;
