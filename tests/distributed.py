@@ -586,3 +586,25 @@ def v_warmup_peers(rank: int) -> list[int]:
         stage.stage_index_to_group_rank = {0: 0, 1: 1, 2: 1, 3: 0}
         peers += [op.group_peer for op in stage._get_init_p2p_neighbors_ops()]
     return peers
+
+
+def offload_steps(rank: int, cfgs: dict, steps: int) -> dict[str, dict]:
+    """For each labelled config: a fresh Trainer, `steps` steps; losses, the meter's peaks and
+    what each block of the rank's stages sent to the host."""
+    from rayhybrid.trainer.loop import Trainer
+
+    out = {}
+    for label, cfg in cfgs.items():
+        tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+        metrics = [dict(tr.train_step().metrics) for _ in range(steps)]
+        offloads = [
+            m.activation_offload for _, stage in tr.stages for m in stage.modules() if hasattr(m, "activation_offload")
+        ]
+        out[label] = {
+            "losses": [m["loss"] for m in metrics],
+            "steps": metrics,
+            "moved": [o.moved for o in offloads],
+            "returned": [o.returned for o in offloads],
+        }
+        del tr
+    return out

@@ -19,7 +19,7 @@ import torch
 
 from rayhybrid.config.schema import Config, DataConfig, ModelConfig, TopologyConfig, TrainConfig
 from rayhybrid.preflight import load_config
-from tests.distributed import run_configs, train_many
+from tests.distributed import offload_steps, run_configs, train_many
 
 pytestmark = pytest.mark.slow  # several processes, inductor
 
@@ -93,6 +93,23 @@ def test_llama_compiled_blocks_train_as_eager_under_tp2(cache):
 def test_compiled_blocks_train_as_eager_under_pp2_zbv(cache):
     cfgs = pair(pp=2, schedule="zbv", stages_per_rank=2)
     assert_same_losses(run_configs(train_many, cfgs, STEPS, timeout=600))
+    assert_compiled(cache)
+
+
+def test_compiled_blocks_offload_what_they_save_under_tp2(cache):
+    """train.offload_activations composes with train.compile: the hooks wrap the compiled
+    block, so what its graph saves (DTensor locals under tp2) goes to the host and comes back,
+    and the losses are bit for bit the compiled ones without offload."""
+    compiled = pair(tp=2)["compiled"]
+    cfgs = {
+        "compiled": compiled,
+        "offload": dataclasses.replace(compiled, train=dataclasses.replace(compiled.train, offload_activations=True)),
+    }
+    for rank, runs in enumerate(run_configs(offload_steps, cfgs, STEPS, timeout=600)):
+        assert runs["offload"]["losses"] == runs["compiled"]["losses"], rank
+        ((moved,),) = [runs["offload"]["moved"]]
+        assert len(moved) == LLAMA.n_layers and all(moved), moved
+        assert runs["offload"]["returned"] == runs["offload"]["moved"]
     assert_compiled(cache)
 
 

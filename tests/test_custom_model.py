@@ -84,6 +84,7 @@ def test_spec_module_imports_without_torch():
         (["model.options.dropout=0.1"], "model.options.dropout", "unknown option"),
         # Its SPEC does not say it compiles (ModelSpec.compiles): refused before anything runs.
         (["train.compile=true"], "train.compile", "does not compile its blocks"),
+        (["train.offload_activations=true"], "train.offload_activations", "does not offload"),
     ],
 )
 def test_the_examples_validate_gives_one_line_config_errors(overrides, setting, words):

@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import ClassVar
 
 import pytest
 
 from rayhybrid.config.compose import compose, to_config
-from rayhybrid.tune import space
+from rayhybrid.tune import report, space, trials
 from rayhybrid.tune.layout import STAGES_PER_RANK, LayoutPlan, factorizations, shard_options
 from rayhybrid.tune.microbatch import SLACK, TunePlan
 from rayhybrid.tune.trials import PEAK_PREFIX, Point
@@ -541,3 +542,35 @@ def test_the_report_lists_each_column_once(cfg, tmp_path, capsys, metric):
     assert ("tokens/CPU-s" in table_header) == (metric == "tokens_per_cpu_s")
     assert len(printed) == 1 + len(plan.records)
     assert {len(line) for line in printed} == {len(printed[0])}  # right-aligned cells, one per column
+
+
+def test_offload_is_a_candidate_where_nothing_else_fits_on_cuda():
+    """On CUDA the planner takes the blocks' saved activations off the device with
+    train.offload_activations: a point over the budget without it becomes a candidate with it;
+    a point that fits without it gets no offload twin; on a CPU device (the host is the device)
+    offload frees nothing and is never a candidate."""
+    cfg = to_config(compose(["train.global_batch_size=16", "train.micro_batch_size=16"]))
+    one = Point(16, 1, False, (1, 1, 1, "1f1b", 1, False))
+    without = space.planned_peak_mb(space.trial_config(cfg, one.as_config("")), cuda=True)
+    moved = Point(16, 1, False, one.layout, True)
+    with_it = space.planned_peak_mb(space.trial_config(cfg, moved.as_config("")), cuda=True)
+    assert with_it < without
+    budget = (with_it + without) / 2 / 0.99
+    plan = LayoutPlan(cfg, 1, 1, 16, budget, activation_checkpointing=(False,), cuda=True)
+    offloaded = {p for p in plan.planned if p.offload_activations}
+    assert moved in offloaded and moved in plan.fitting and one not in plan.fitting
+    for p in offloaded:  # only where the point without it is over the budget
+        assert plan.planned[dataclasses.replace(p, offload_activations=False)] > plan.limit_mb
+    # The layout's representative fits without offload (micro-batch 8); refining tries offload
+    # at the largest micro-batch it fits, which wins here (larger micro-batches run faster).
+    ran = []
+    while (point := plan.next()) is not None:
+        ran.append(Point.of(point))
+        plan.observe(point, {"oom": 0, "tokens_per_s": 100.0 + point["micro_batch_size"], PEAK_PREFIX + "r": 1.0})
+    assert ran[0] == Point(8, 2, False, one.layout) and moved in ran and plan.best.point == moved
+    assert space.trial_config(cfg, moved.as_config("")).train.offload_activations
+    assert "train.offload_activations=true" in report.training_overrides(
+        cfg, trials.Record(moved, "layout", False, {"x": with_it}, 1.0)
+    )
+    cpu = LayoutPlan(cfg, 1, 1, 16, budget, activation_checkpointing=(False,))
+    assert not any(p.offload_activations for p in cpu.planned)

@@ -189,6 +189,11 @@ class TrainConfig:
     emulate (torchao's emulation on any device: float8's numerics, slowly; tests, CPU
     debugging) or false. Needs train.dtype=bfloat16."""
     activation_checkpointing: bool = False
+    offload_activations: bool = False
+    """What each transformer block saves for backward is copied to (pinned) host memory in
+    forward and back to the device for backward, overlapped with compute on CUDA
+    (rayhybrid/parallel/offload.py). With activation_checkpointing only each block's input moves.
+    The planner shows the device peak without the blocks' activations and a host figure."""
     compile: bool = False
     """torch.compile each transformer block on its own (regional compilation, inductor), after
     tensor parallelism and activation checkpointing, before FSDP2 (rayhybrid/parallel/compile.py).

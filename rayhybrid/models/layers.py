@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rayhybrid.parallel.compile import compile_blocks
 from rayhybrid.parallel.data_parallel import apply_data_parallel
+from rayhybrid.parallel.offload import offload_blocks
 from rayhybrid.parallel.tied import tied_copies
 
 
@@ -97,15 +98,19 @@ def checkpoint_and_shard(
     activation_checkpointing: bool,
     reshard_after_forward: bool,
     compile: bool = False,
+    offload_activations: bool = False,
 ) -> nn.Module:
     """After the TP plan: activation checkpointing of every block, then (`compile`,
-    train.compile) each block compiled on its own, then data parallelism over the dp mesh
-    (FSDP2 block by block, or replicate)."""
+    train.compile) each block compiled on its own, then (`offload_activations`) what each
+    block saves for backward kept in host memory (rayhybrid/parallel/offload.py), then data
+    parallelism over the dp mesh (FSDP2 block by block, or replicate)."""
     if activation_checkpointing:
         for block in blocks:
             block.checkpoint_activations = True
     if compile:
         compile_blocks(blocks)
+    if offload_activations:
+        offload_blocks(blocks)
     if dp_mesh is not None and dp_mesh.size() > 1:
         apply_data_parallel(model, dp_mesh, shard=dp_shard, blocks=blocks, reshard_after_forward=reshard_after_forward)
     return model

@@ -85,6 +85,12 @@ def validate_model(cfg) -> None:
             f"{chosen} does not compile its blocks (its SPEC has compiles=False; see docs/models.md); "
             "set train.compile=false",
         )
+    if cfg.train.offload_activations and not spec.offloads:
+        raise ConfigError(
+            "train.offload_activations",
+            f"{chosen} does not offload its blocks' activations (its SPEC has offloads=False; see docs/models.md); "
+            "set train.offload_activations=false",
+        )
     settings_of(cfg.model)
     if spec.validate is not None:
         spec.validate(cfg)

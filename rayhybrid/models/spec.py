@@ -26,6 +26,8 @@ Contract of the pieces (docs/models.md says it for users):
   parallelism (`rayhybrid.models.layers.checkpoint_and_shard(..., compile=compile)` does,
   or `rayhybrid.parallel.compile.compile_blocks`). With `compiles=False` (the default, a
   spec written before train.compile) train.compile=true stops the run with one line.
+  A spec with `offloads=True` takes `offload_activations` (train.offload_activations) the same
+  way: `checkpoint_and_shard(..., offload_activations=...)` applies it to the blocks.
 - `num_params(model_cfg, seq_len)` and `flops_per_token(model_cfg, seq_len, attention=True)`:
   plain arithmetic.
 - `validate(cfg)`: raise `rayhybrid.errors.ConfigError` naming the setting and the fix.
@@ -139,6 +141,10 @@ class ModelSpec:
     compiles: bool = False
     """`parallelize` takes `compile` and compiles each block (train.compile); False:
     train.compile=true is refused with one line naming the model."""
+    offloads: bool = False
+    """`parallelize` takes `offload_activations` (train.offload_activations, passed only when
+    true) and keeps what its blocks save for backward in host memory
+    (`rayhybrid.parallel.offload.offload_blocks`); False: the setting is refused with one line."""
     loss: Callable[[Any, Any], Any] | None = None
     """The family's own training loss, `loss(logits, targets) -> the SUM over the micro-batch's
     tokens` (a 0-d tensor; the trainer divides by the replica's token count, so micro-batch

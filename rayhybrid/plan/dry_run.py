@@ -93,6 +93,7 @@ def _memory(cfg: Config, topo: Topology, cuda: bool) -> dict:
         "max_mb": max(mem.total for mem in memory.values()) / MB,
         # CUDA: what the caching allocator reserves at the peak, what must fit the card.
         "max_reserved_mb": max(mem.reserved for mem in memory.values()) / MB if cuda else None,
+        "host_activations_mb": [memory[r].host_activations / MB for r in range(topo.pp)],
     }
 
 
@@ -154,6 +155,7 @@ def _config_section(cfg: Config, world_size: int, num_stages: int) -> dict:
         "num_microbatches": est._microbatches(cfg),
         "dtype": tr.dtype,
         "activation_checkpointing": tr.activation_checkpointing,
+        "offload_activations": tr.offload_activations,
     }
 
 
@@ -311,6 +313,7 @@ def _title_lines(c: dict) -> list[str]:
         f"seq {c['seq_len']}, global batch {c['global_batch_size']} = dp {c['dp']} x {c['num_microbatches']} "
         f"micro-batches x {c['micro_batch_size']}, {c['dtype']}"
         + (", activation checkpointing" if c["activation_checkpointing"] else "")
+        + (", activation offload" if c.get("offload_activations") else "")
         + (", loss parallel" if c["loss_parallel"] else ""),
     ]
 
@@ -396,7 +399,16 @@ def _memory_lines(memory: dict) -> list[str]:
             f"  reserved (CUDA caching allocator: rounding + one largest block of fragmentation), MB by pp rank: "
             f"{reserved}; a card must hold this"
         )
-    return out + [f"  note: {n}" for n in notes]
+    return out + _host_lines(memory) + [f"  note: {n}" for n in notes]
+
+
+def _host_lines(memory: dict) -> list[str]:
+    """train.offload_activations: the host memory the blocks' saved activations take per rank."""
+    host = memory.get("host_activations_mb") or []
+    if not any(host):
+        return []
+    each = ", ".join(f"pp rank {r}: {_mb(mb)}" for r, mb in enumerate(host))
+    return [f"  host memory (offloaded activations, MB per rank at most): {each}"]
 
 
 def _communication_lines(communication: dict) -> list[str]:

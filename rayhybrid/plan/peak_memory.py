@@ -4,7 +4,8 @@ parameters, gradients and optimizer state (`weight_and_optimizer_memory`), data 
 unsharded copies (`data_parallel_copies`), bfloat16 autocast's copies (`autocast_weights`), the
 batch (`batch_memory`), the pipeline's receive buffers (`receive_buffers`), what is alive at
 each action of the schedule (`ScheduleWalk`) and the optimizer step
-(`optimizer_step_memory`); `rank_memory` adds them up and keeps the peak.
+(`optimizer_step_memory`), activation offload's device and host shares
+(`offload_activations`); `rank_memory` adds them up and keeps the peak.
 
 Bytes are counted the way the trainer's meter counts them (see rayhybrid/plan/estimate.py, whose
 formulas this module builds on). No torch, no Ray.
@@ -59,6 +60,7 @@ class _StageCost:
     out_send: int  # b x s x d sent to the next stage's rank per micro-batch (0: same rank or last)
     grad_send: int  # b x s x d gradient sent back per micro-batch (0: same rank or first)
     grad_extra: int  # bytes beyond 4 x params in the gradients (DTensor quirks)
+    host: int = 0  # train.offload_activations: what the blocks save, in host memory per micro-batch
 
 
 @dataclass
@@ -81,6 +83,7 @@ class RankMemory:
     max_in_flight: dict[int, int] = field(default_factory=dict)  # most micro-batches in flight per stage
     workspace: int = 0  # CUDA: cuBLAS's workspaces, allocated once through the caching allocator
     reserved: int = 0  # CUDA: what the caching allocator holds at the peak (rayhybrid/plan/allocator.py)
+    host_activations: int = 0  # train.offload_activations: most activation bytes in host memory
 
     @property
     def total(self) -> int:
@@ -121,6 +124,7 @@ class RankMemory:
             "saved_peak_mb": self.saved_peak / MB,
             "max_in_flight": {str(k): v for k, v in self.max_in_flight.items()},
             "reserved_mb": self.reserved / MB if self.reserved else None,
+            "host_activations_mb": self.host_activations / MB,
             "notes": self.notes,
         }
 
@@ -223,6 +227,41 @@ def zero_bubble_intermediates(cfg: Config, stage: Stage) -> int:
     per_block = memory_model(cfg).w_outputs(cfg, t.tp)
     head = FLOAT * cfg.data.seq_len * (cfg.model.d_model + vocab_local(cfg)) if stage.last else 0
     return cfg.train.micro_batch_size * (len(stage.layers) * per_block + head)
+
+
+def offload_activations(cfg: Config, costs: dict[int, _StageCost], cuda: bool) -> str | None:
+    """train.offload_activations (rayhybrid/parallel/offload.py): what each block saves (all of
+    its activations, with checkpointing its input) goes to host memory per micro-batch
+    (`_StageCost.host`; the walk keeps the most it holds). On CUDA it leaves the device's
+    saved activations, all but the receive buffer (a later stage's first input, which stays),
+    and the device holds what is in flight instead: the block computing and one copying (to
+    the host in forward, back in backward, fetched ahead), added to the forward's and the
+    blocks' backward transients. On a CPU device the host is the device: the copies sit in the
+    same memory (the meter sees the blocks' saved bytes either way), the backward reads them
+    where they are, and only the end of a block's forward holds one block's worth more: its
+    own saved tensors beside their copies. Returns the plan's note."""
+    if not cfg.train.offload_activations:
+        return None
+    bsd = _bsd(cfg)
+    act = BF16 if cfg.train.dtype == "bfloat16" else FLOAT
+    per_block = bsd if cfg.train.activation_checkpointing else cfg.train.micro_batch_size * block_bytes(cfg)
+    for c in costs.values():
+        c.host = len(c.stage.layers) * per_block
+        if not c.host:
+            continue
+        # The end of a block's forward, before the head has saved anything: its saved tensors
+        # (kept until then) beside their host copies, its MLP output; on CUDA the previous
+        # block's copy may still be in flight, and the last block's during the head's forward.
+        block_end = (
+            per_block * (2 if cuda else 1) + act * cfg.train.micro_batch_size * cfg.data.seq_len * cfg.model.d_model
+        )
+        c.fwd_transient = max(c.fwd_transient + (per_block if cuda else 0), block_end - c.head_saved)
+        if cuda:
+            c.held += (0 if c.stage.first else bsd) - c.host
+            c.block_transient += 2 * per_block
+    if cuda:
+        return "activation offload: the blocks' saved activations in host memory; two blocks' worth in flight on the device"
+    return "activation offload: the blocks' saved activations in host memory (on a CPU device, the same memory)"
 
 
 def gradient_extra(cfg: Config, stage: Stage) -> int:
@@ -422,6 +461,7 @@ class ScheduleWalk:
         self.stale = 0
         self.peak: RankMemory | None = None
         self.saved_peak, self.max_in_flight = 0, dict(self.held)
+        self.host = 0  # most activation bytes in host memory (train.offload_activations)
 
     def run(self) -> RankMemory:
         t = self.cfg.topology
@@ -440,6 +480,7 @@ class ScheduleWalk:
         """What is alive during `where`, with `transient` bytes of its own: the peak if highest."""
         saved = sum(self.costs[sid].held * n for sid, n in self.held.items()) + self.intermediates
         self.saved_peak = max(self.saved_peak, saved + self.kept_logits)
+        self.host = max(self.host, sum(self.costs[sid].host * n for sid, n in self.held.items()))
         for sid, n in self.held.items():
             self.max_in_flight[sid] = max(self.max_in_flight[sid], n)
         res = self.resident
@@ -568,7 +609,8 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
       micro-batches accumulate);
     - activations: what autograd saves for each micro-batch in flight (`block_bytes`,
       `head_bytes`; with checkpointing each block's input only); zero bubble: plus the output
-      gradients kept from I to W;
+      gradients kept from I to W; with train.offload_activations on CUDA, the blocks' share in
+      host memory (`host_activations`) and two blocks' worth in flight instead;
     - pipeline buffers: a receive buffer per micro-batch and boundary direction (allocated once,
       kept), every micro-batch's logits on the last stage (torch merges them after the step),
       tensors still referenced by sends;
@@ -588,10 +630,11 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
     """
     t = cfg.topology
     costs = stage_costs(cfg, pp_rank, stages(cfg), cuda)
+    offload = offload_activations(cfg, costs, cuda)
     state = weight_and_optimizer_memory(cfg, costs)
     copies = data_parallel_copies(cfg, state.tensors)
     autocast = autocast_weights(cfg, state.tensors)
-    notes = list(copies.notes)
+    notes = list(copies.notes) + ([offload] if offload else [])
     if cfg.train.dtype == "bfloat16":
         notes.append("bfloat16 autocast keeps a bfloat16 copy of every matrix for the step")
     recv = receive_buffers(cfg, costs)
@@ -606,6 +649,7 @@ def rank_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> RankMemory:
     if t.schedule == "gpipe" and t.pp > 1 and not peak.grads:
         notes.append("GPipe peaks before the first backward ends: no gradients exist yet at the peak")
     peak.notes, peak.saved_peak, peak.max_in_flight = notes, walk.saved_peak, walk.max_in_flight
+    peak.host_activations = walk.host
     if cuda:
         largest = largest_allocation(cfg, costs, state)
         peak.reserved = allocator.reserved_bytes(peak.total, resident_tensors(cfg, state), largest)

@@ -101,6 +101,7 @@ def build_stage(
         loss_parallel=loss_parallel,
         reshard_after_forward=cfg.topology.pp == 1,
         **({"compile": True} if cfg.train.compile else {}),  # only when on: a spec may not take it
+        **({"offload_activations": True} if cfg.train.offload_activations else {}),
     )
 
 

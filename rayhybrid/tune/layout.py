@@ -8,6 +8,8 @@ a way to train that batch:
 - dp_shard (dp > 1: replicated or FSDP2-sharded; and when dp spans nodes, HSDP over the
   replicas one node holds: `shard_options`);
 - activation checkpointing (the settings `tune.activation_checkpointing` asks for);
+- activation offload (train.offload_activations), on CUDA, for a point the planner says does
+  not fit without it (and does with it), when the model's spec offloads;
 - the micro-batch size, among the sizes that divide G / dp (and leave a valid schedule).
 
 Every point the config checks reject is dropped; so is every point whose planned peak memory
@@ -15,11 +17,11 @@ Every point the config checks reject is dropped; so is every point whose planned
 1. the base config as given (`baseline`, when it uses `devices` ranks and fits): the figure the
    winner is compared with;
 2. one point per (dp, pp, tp) layout (`max_trials` less three of them at most), in the order
-   of the fewest bytes communicated per step by the busiest rank (the planner's estimate): 1F1B (the trainer's default), unsharded and without checkpointing when that fits,
-   and the largest micro-batch, in a pipeline the largest leaving at least 2 pp micro-batches per
+   of the fewest bytes communicated per step by the busiest rank (the planner's estimate): 1F1B (the trainer's default), unsharded and without checkpointing when that fits
+   (then sharded, then with offload, then with checkpointing), and the largest micro-batch, in a pipeline the largest leaving at least 2 pp micro-batches per
    step (a bubble of at most about a third under 1F1B);
 3. around the fastest point so far, one change at a time (the next larger and smaller
-   micro-batch, the other schedules, dp_shard, checkpointing), moving to any that is faster,
+   micro-batch, the other schedules, dp_shard, checkpointing, offload), moving to any that is faster,
    until `max_trials` trials have run or no change is left.
 The fastest point that fitted wins. Its memory was predicted before it ran: `planned_mb` beside
 the measured peak, for every trial.
@@ -31,11 +33,13 @@ the measured peak, for every trial.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import SCHEDULE_TABLE
+from rayhybrid.models.registry import get_spec
 from rayhybrid.tune.space import batch_sizes, is_valid, planned_peak_mb, trial_config
 from rayhybrid.tune.trials import Point, Record, fastest, record_of
 
@@ -70,9 +74,14 @@ def shard_options(dp: int, pp: int, tp: int, devices_per_node: int) -> tuple:
     return (False, True, group) if 1 < group < dp else (False, True)
 
 
-def _layout_point(dp, pp, tp, schedule, dp_shard, ac, m, per_replica) -> Point:
+def _layout_point(dp, pp, tp, schedule, dp_shard, ac, m, per_replica, offload=False) -> Point:
     v = STAGES_PER_RANK[schedule] if pp > 1 else 1
-    return Point(m, per_replica // m, ac, (dp, pp, tp, schedule if pp > 1 else "1f1b", v, dp_shard))
+    return Point(m, per_replica // m, ac, (dp, pp, tp, schedule if pp > 1 else "1f1b", v, dp_shard), offload)
+
+
+def _offloads(cfg: Config) -> bool:
+    """The model's spec offloads its blocks' activations (ModelSpec.offloads)."""
+    return get_spec(cfg.model).offloads
 
 
 class LayoutPlan:
@@ -99,6 +108,7 @@ class LayoutPlan:
         self.max_trials = max_trials
         self.cuda = cuda
         self.limit_mb = budget_mb * (1 - margin)
+        self.offload = cuda and not cfg.train.offload_activations and _offloads(cfg)
         self.records: list[Record] = []
         self.planned: dict[Point, float] = {}  # every point that validates -> its planned peak MB
         self._pending: tuple[Point, str] | None = None
@@ -136,8 +146,18 @@ class LayoutPlan:
                                 raise ValueError("a layout search needs the planner's memory model for the model")
                             self.planned[point] = planned
                             found = True
+                            if planned > self.limit_mb and self.offload:
+                                self._offload_candidate(point)
             if found:
                 self.layouts.append((dp, pp, tp))
+
+    def _offload_candidate(self, point: Point) -> None:
+        """`point` with train.offload_activations, kept when the planner says it fits (on CUDA
+        the blocks' saved activations leave the device's peak)."""
+        moved = dataclasses.replace(point, offload_activations=True)
+        planned = self._plan(moved)
+        if planned is not None and planned <= self.limit_mb:
+            self.planned[moved] = planned
 
     def _first_trials(self, baseline: Point | None) -> list[tuple[Point, str]]:
         """Phases 1 and 2: the baseline (when it validates and fits), then one representative
@@ -169,12 +189,16 @@ class LayoutPlan:
         micro-batches."""
         pp = layout[1]
         mine = [p for p in self.fitting if p.layout[:3] == layout]
+        orders = [(ac, shard, off) for ac in (False, True) for off in (False, True) for shard in (False, True)]
         for schedule in STAGES_PER_RANK:
-            for ac, shard in ((False, False), (False, True), (True, False), (True, True)):
+            for ac, shard, off in orders:
                 options = [
                     p
                     for p in mine
-                    if p.layout[3] == schedule and p.activation_checkpointing == ac and p.layout[5] == shard
+                    if p.layout[3] == schedule
+                    and p.activation_checkpointing == ac
+                    and p.layout[5] == shard
+                    and p.offload_activations == off
                 ]
                 if options:
                     filled = [p for p in options if p.num_microbatches >= 2 * pp] if pp > 1 else options
@@ -199,12 +223,17 @@ class LayoutPlan:
         dp, pp, tp, schedule, _, shard = best.layout
         same = [p for p in self.fitting if p.layout[:3] == best.layout[:3]]
 
-        def like(schedule=schedule, shard=shard, ac=best.activation_checkpointing) -> list[Point]:
+        def like(
+            schedule=schedule, shard=shard, ac=best.activation_checkpointing, off=best.offload_activations
+        ) -> list[Point]:
             return sorted(
                 (
                     p
                     for p in same
-                    if p.layout[3] == schedule and p.layout[5] == shard and p.activation_checkpointing == ac
+                    if p.layout[3] == schedule
+                    and p.layout[5] == shard
+                    and p.activation_checkpointing == ac
+                    and p.offload_activations == off
                 ),
                 key=lambda p: p.micro_batch_size,
             )
@@ -225,6 +254,8 @@ class LayoutPlan:
             if options := like(shard=other):
                 out.append(near(options))
         if options := like(ac=not best.activation_checkpointing):
+            out.append(max(options, key=lambda p: p.micro_batch_size))
+        if options := like(off=not best.offload_activations):
             out.append(max(options, key=lambda p: p.micro_batch_size))
         return out
 

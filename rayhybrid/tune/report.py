@@ -32,6 +32,7 @@ COLUMNS = {
     "num_microbatches": "n_micro",
     "global_batch_size": "G",
     "activation_checkpointing": "AC",
+    "offload_activations": "offload",
     "peak_mb": "peak_mb",
     "allocated_peak_mb": None,
     "planned_mb": "planned",
@@ -73,6 +74,7 @@ def _rows(cfg: Config, plan) -> list[dict]:
                 "num_microbatches": p.num_microbatches,
                 "global_batch_size": t["dp"] * p.micro_batch_size * p.num_microbatches,
                 "activation_checkpointing": int(p.activation_checkpointing),
+                "offload_activations": int(p.offload_activations),
                 "peak_mb": round(r.peak_mb, 4) if r.peaks_mb else "",
                 "allocated_peak_mb": _rounded(r.allocated_mb),
                 "planned_mb": _rounded(r.planned_mb),
@@ -99,6 +101,7 @@ def training_overrides(cfg: Config, best: Record) -> list[str]:
         f"train.micro_batch_size={p.micro_batch_size}",
         f"train.global_batch_size={t['dp'] * p.micro_batch_size * p.num_microbatches}",
         f"train.activation_checkpointing={str(p.activation_checkpointing).lower()}",
+        *(["train.offload_activations=true"] if p.offload_activations else []),
     ]
 
 

@@ -33,7 +33,14 @@ from rayhybrid.tune.trials import PEAK_PREFIX, Point, limiting_peaks, out_of_mem
 log = logging.getLogger("rayhybrid")
 
 SEARCHES = ("micro_batch", "layout")
-POINT_KEYS = ("micro_batch_size", "num_microbatches", "activation_checkpointing", *TOPOLOGY_FIELDS, "purpose")
+POINT_KEYS = (
+    "micro_batch_size",
+    "num_microbatches",
+    "activation_checkpointing",
+    "offload_activations",
+    *TOPOLOGY_FIELDS,
+    "purpose",
+)
 
 
 class TrialHost:

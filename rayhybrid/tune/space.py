@@ -47,6 +47,7 @@ def trial_config(cfg: Config, point: dict) -> Config:
             "micro_batch_size": mb,
             "global_batch_size": cfg.topology.dp * mb * n,
             "activation_checkpointing": point["activation_checkpointing"],
+            "offload_activations": point.get("offload_activations", cfg.train.offload_activations),
             "steps": cfg.tune.steps,
             "log_every": cfg.tune.steps,
         },

@@ -22,6 +22,7 @@ class Point:
     num_microbatches: int
     activation_checkpointing: bool
     layout: tuple | None = None  # (dp, pp, tp, schedule, stages_per_rank, dp_shard): a layout search's
+    offload_activations: bool = False  # train.offload_activations (a layout search's, where nothing else fits)
 
     def as_config(self, purpose: str) -> dict:
         return {
@@ -29,6 +30,7 @@ class Point:
             "num_microbatches": self.num_microbatches,
             "activation_checkpointing": self.activation_checkpointing,
             **(dict(zip(TOPOLOGY_FIELDS, self.layout)) if self.layout else {}),
+            **({"offload_activations": True} if self.offload_activations else {}),
             "purpose": purpose,
         }
 
@@ -44,12 +46,19 @@ class Point:
     def label(self) -> str:
         """A short name for plots, e.g. "dp2 pp4 tp1 1f1b mb2x4 AC"."""
         ac = " AC" if self.activation_checkpointing else ""
+        ac += " offload" if self.offload_activations else ""
         return f"{self.where()} mb{self.micro_batch_size}x{self.num_microbatches}{ac}".strip()
 
     @classmethod
     def of(cls, config: dict) -> Point:
         layout = tuple(config[k] for k in TOPOLOGY_FIELDS) if "dp" in config else None
-        return cls(config["micro_batch_size"], config["num_microbatches"], config["activation_checkpointing"], layout)
+        return cls(
+            config["micro_batch_size"],
+            config["num_microbatches"],
+            config["activation_checkpointing"],
+            layout,
+            bool(config.get("offload_activations", False)),
+        )
 
 
 @dataclass

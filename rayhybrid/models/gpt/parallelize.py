@@ -54,6 +54,7 @@ def parallelize_gpt(
     loss_parallel: bool,
     reshard_after_forward: bool = True,
     compile: bool = False,
+    offload_activations: bool = False,
 ) -> GPT:
     if tp_mesh is not None and tp_mesh.size() > 1:
         parallelize_module(model, tp_mesh, tp_plan(model, loss_parallel=loss_parallel))
@@ -65,4 +66,5 @@ def parallelize_gpt(
         activation_checkpointing=activation_checkpointing,
         reshard_after_forward=reshard_after_forward,
         compile=compile,
+        offload_activations=offload_activations,
     )

@@ -53,6 +53,7 @@ def parallelize_llama(
     loss_parallel: bool,
     reshard_after_forward: bool = True,
     compile: bool = False,
+    offload_activations: bool = False,
 ) -> Llama:
     tied = model.settings.tie_embeddings and model.tok_embeddings is not None and model.output is not None
     if tp_mesh is not None and tp_mesh.size() > 1:
@@ -68,4 +69,5 @@ def parallelize_llama(
         activation_checkpointing=activation_checkpointing,
         reshard_after_forward=reshard_after_forward,
         compile=compile,
+        offload_activations=offload_activations,
     )

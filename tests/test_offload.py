@@ -1,0 +1,192 @@
+"""`train.offload_activations` (rayhybrid/parallel/offload.py): what each block saves for
+backward goes to host memory and comes back for backward. On CPU the host is the device, so the
+tests show the mechanism runs by its counters (the bytes each block sent, against the planner's
+count of what a block saves), that the tensors come back on the compute device, that losses
+are bit for bit those without offload (1 rank, tp2, pp2 1F1B and zero bubble, FSDP2), and that
+the planner's peak stays within 3% of the meter's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from distributed import offload_steps, run_configs, steady_peak_mb
+from torch import nn
+
+from rayhybrid.errors import ConfigError
+from rayhybrid.parallel import offload
+from rayhybrid.plan import build_plan
+from rayhybrid.plan.estimate import block_bytes
+from rayhybrid.plan.peak_memory import rank_memory
+from rayhybrid.preflight import load_config
+
+LLAMA = [
+    "model.name=llama3",
+    "metrics.memory=true",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "data.seq_len=128",  # every saved tensor of a block over MIN_BYTES (1/rms: b x s float32)
+]
+
+
+def _blocks(d: int = 32, h: int = 64) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(3))
+
+
+def _step(blocks: nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:
+    for block in blocks:
+        x = block(x)
+    x.square().sum().backward()
+    return [p.grad for p in blocks.parameters()]
+
+
+def test_each_block_sends_its_activations_and_gets_them_back_on_its_device(monkeypatch):
+    plain, moved = _blocks(), _blocks()
+    off = offload.offload_blocks(list(moved))
+    devices = []
+    unpack = off.unpack
+
+    def recording(packed):
+        out = unpack(packed)
+        devices.append(out.device)
+        return out
+
+    monkeypatch.setattr(off, "unpack", recording)  # the hooks read it when a block's forward starts
+    b, d, h = 16, 32, 64
+    x = torch.randn(b, d)
+    want = _step(plain, x.clone())
+    got = _step(moved, x.clone())
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))  # bit for bit
+    # Per block: the first linear's input (b x d), the GELU's input (b x h), the second
+    # linear's input (b x h), float32; the weights stay.
+    assert off.moved == [4 * (b * d + 2 * b * h)] * 3
+    assert off.returned == off.moved
+    assert devices and set(devices) == {torch.device("cpu")}
+
+
+def test_no_grad_forwards_and_small_tensors_stay():
+    blocks = _blocks(d=4, h=8)
+    off = offload.offload_blocks(list(blocks))
+    with torch.no_grad():
+        blocks[0](torch.randn(2, 4))
+    _step(blocks, torch.randn(2, 4))  # 32-byte activations: under MIN_BYTES
+    assert off.moved == [0, 0, 0]
+
+
+def _with(base: list[str], *overrides: str):
+    return load_config([*base, *overrides])
+
+
+def test_one_rank_offloads_what_the_planner_counts_and_trains_exactly():
+    cfgs = {
+        "off": _with(LLAMA),
+        "on": _with(LLAMA, "train.offload_activations=true"),
+        "ac": _with(LLAMA, "train.activation_checkpointing=true"),
+        "ac on": _with(LLAMA, "train.activation_checkpointing=true", "train.offload_activations=true"),
+        "bf16": _with(LLAMA, "train.dtype=bfloat16"),
+        "bf16 on": _with(LLAMA, "train.dtype=bfloat16", "train.offload_activations=true"),
+    }
+    steps = 2
+    (res,) = run_configs(offload_steps, cfgs, steps)
+    for label in ("on", "ac on", "bf16 on"):
+        assert res[label]["losses"] == res[label.replace("on", "").strip() or "off"]["losses"], label
+    cfg = cfgs["on"]
+    micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    bsd = 4 * cfg.train.micro_batch_size * cfg.data.seq_len * cfg.model.d_model
+    per_block = {
+        "on": cfg.train.micro_batch_size * block_bytes(cfg),  # the planner's count per micro-batch
+        "bf16 on": cfg.train.micro_batch_size * block_bytes(cfgs["bf16 on"]),
+        "ac on": bsd,  # checkpointing: the block's input only
+    }
+    for label, per in per_block.items():
+        ((moved,),) = [res[label]["moved"]]
+        assert moved == [steps * micro * per] * cfg.model.n_layers, label
+        assert res[label]["returned"] == res[label]["moved"], label
+    # The meter against the plan (within 3%): on CPU the host copies sit in the same memory,
+    # and the forward holds a block's saved tensors beside their copies until the block ends;
+    # the host figure holds a micro-batch's blocks.
+    for label in ("on", "ac on", "bf16 on"):
+        planned = build_plan(cfgs[label])["memory"]["per_rank_total_mb"][0]
+        measured = steady_peak_mb(res[label]["steps"], last=1)
+        print(f"{label}: planned {planned:.4f} MB, measured {measured:.4f} MB")  # with pytest -s
+        assert abs(planned / measured - 1) < 0.03, (label, planned, measured)
+    assert rank_memory(cfg, 0).host_activations == cfg.model.n_layers * per_block["on"]
+
+
+def test_tp2_pp2_zero_bubble_and_fsdp2_train_exactly_with_offload():
+    base = [*LLAMA, "train.global_batch_size=4"]
+    layouts = {
+        "tp2": ["+topology=tp2"],
+        "pp2": ["+topology=pp2"],
+        "zbv": ["+topology=pp2_zbv"],
+        "fsdp": ["+topology=dp2", "topology.dp_shard=true", "train.activation_checkpointing=true"],
+    }
+    cfgs = {}
+    for name, overrides in layouts.items():
+        cfgs[name] = _with(base, *overrides)
+        cfgs[name + " on"] = _with(base, *overrides, "train.offload_activations=true")
+    steps = 4  # the meter's steady peak: the lowest of the last 3 (gloo's buffers, see steady_peak_mb)
+    ranks = run_configs(offload_steps, cfgs, steps)
+    # tp2: each block sends its local share, as the planner counts it (1/tp of the sharded ones).
+    tp2 = cfgs["tp2 on"]
+    micro = tp2.train.global_batch_size // tp2.train.micro_batch_size
+    for res in ranks:
+        per_block = tp2.train.micro_batch_size * block_bytes(tp2)
+        assert res["tp2 on"]["moved"] == [[steps * micro * per_block] * tp2.model.n_layers]
+    for name in layouts:
+        on = cfgs[name + " on"]
+        for rank, res in enumerate(ranks):
+            assert res[name + " on"]["losses"] == res[name]["losses"], (name, rank)
+            assert all(sum(m) > 0 for m in res[name + " on"]["moved"]), (name, rank)
+        planned = build_plan(on)["memory"]["per_rank_total_mb"]
+        planned_off = build_plan(cfgs[name])["memory"]["per_rank_total_mb"]
+        for rank, res in enumerate(ranks):
+            err = planned[rank] / steady_peak_mb(res[name + " on"]["steps"]) - 1
+            print(
+                f"{name} rank {rank}: planned {planned[rank]:.4f} MB, plan {err:+.2%} against the meter"
+            )  # with pytest -s
+            if name == "fsdp":
+                # The planner is 14% low for this layout without offload already (llama, seq 128,
+                # FSDP2 with checkpointing: 4.47 MB planned, 5.22 measured): offload adds nothing.
+                err_off = planned_off[rank] / steady_peak_mb(res[name]["steps"]) - 1
+                assert abs(err - err_off) < 0.005, (name, rank, err, err_off)
+            else:
+                assert abs(err) < 0.03, (name, rank, err)
+
+
+def test_the_device_plan_drops_the_blocks_activations_and_shows_host_memory():
+    cfg = load_config(["model.name=llama3", "train.micro_batch_size=4"])
+    on = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, offload_activations=True))
+    plain, moved = rank_memory(cfg, 0, cuda=True), rank_memory(on, 0, cuda=True)
+    per_block = cfg.train.micro_batch_size * block_bytes(cfg)
+    assert plain.host_activations == 0 and moved.host_activations == cfg.model.n_layers * per_block
+    # The device keeps two blocks' worth in flight (computing, copying) instead of them all.
+    assert moved.total < plain.total
+    assert plain.total - moved.total >= (cfg.model.n_layers - 2) * per_block - per_block
+    # On a CPU device the copies are in the same memory: nothing leaves, and the end of a
+    # block's forward holds its saved tensors beside their copies.
+    cpu_on, cpu_off = rank_memory(on, 0).total, rank_memory(cfg, 0).total
+    assert cpu_off <= cpu_on <= cpu_off + per_block
+
+
+def test_a_setting_that_is_not_a_bool_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(["train.offload_activations=sometimes"])
+    assert "train.offload_activations" in str(err.value) and "not a valid bool" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_offload_keeps_the_weights_and_their_autocast_copies_out():
+    blocks = _blocks()
+    off = offload.offload_blocks(list(blocks))
+    x = torch.randn(16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = x
+        for block in blocks:
+            y = block(y)
+    y.float().square().sum().backward()
+    # The bfloat16 inputs of the linears and of the GELU: (b x d + 2 b x h) x 2 bytes; the
+    # weights' bfloat16 copies (autocast's cache) stay.
+    assert off.moved == [2 * (16 * 32 + 2 * 16 * 64)] * 3
