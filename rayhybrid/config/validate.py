@@ -74,6 +74,7 @@ def check(cfg: Config) -> None:
     _choice("train.dtype", tr.dtype, DTYPES)
     _choice("train.decay", tr.decay, DECAYS)
     _float8(cfg)
+    _loss_chunk(tr.loss_chunk)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
 
     virtual = Layout.of(cfg).virtual_stages
@@ -100,6 +101,13 @@ def check(cfg: Config) -> None:
     else:
         _batch_split(cfg, t.dp)
     _held_out(cfg)
+
+
+def _loss_chunk(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            "train.loss_chunk", f"must be a whole number of tokens per chunk (0: off), got {value!r}; set e.g. 1024"
+        )
 
 
 def _float8(cfg: Config) -> None:

@@ -14,7 +14,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -31,6 +30,7 @@ from rayhybrid.trainer.checkpoint import Checkpoints
 from rayhybrid.trainer.evaluation import Evaluation
 from rayhybrid.trainer.heal import heal_enabled
 from rayhybrid.trainer.instrument import instrument_stage
+from rayhybrid.trainer.loss import TokenLoss
 from rayhybrid.trainer.optim import lr_at, set_lr
 from rayhybrid.trainer.passes import Accumulate, Pipelined
 from rayhybrid.trainer.results import RestoreResult, SaveResult, StepMetrics, StepResult
@@ -78,6 +78,16 @@ class Trainer:
             mark("restore")
         self.has_first = any(i == 0 for i, _ in self.stages)
         self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
+        # The loss (trainer/loss.py): with train.loss_chunk the last stage returns its hidden
+        # state and the loss runs its output projection in chunks of tokens.
+        self.loss = TokenLoss(
+            self.spec,
+            self.stages,
+            num_stages=self.num_stages,
+            chunk=cfg.train.loss_chunk,
+            micro_batch_tokens=cfg.train.micro_batch_size * cfg.data.seq_len,
+            replica_tokens=self.replica_tokens,
+        )
         self.params = [p for _, m in self.stages for p in m.parameters()]
         self.tied = TiedCopies(self.stages, self.layout)  # an output tied to the embedding at pp>1
         self.optimizers = build_optimizers(self.stages, cfg.train)
@@ -132,14 +142,12 @@ class Trainer:
             "loss_floor": self.stream.loss_floor,
         }
 
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The model family's loss (`ModelSpec.loss`), else the token cross-entropy, summed over
-        the micro-batch and divided by the replica's token count: micro-batch losses add up to
-        the replica's mean loss, and averaging over dp gives the global batch's mean."""
-        if self.spec.loss is not None:
-            return self.spec.loss(logits, targets) / self.replica_tokens
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-        return loss / self.replica_tokens
+    def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model family's loss (`ModelSpec.loss`), else the token cross-entropy (in chunks
+        with train.loss_chunk: `output` is then the last stage's hidden state), summed over the
+        micro-batch and divided by the replica's token count: micro-batch losses add up to the
+        replica's mean loss, and averaging over dp gives the global batch's mean."""
+        return self.loss(output, targets)
 
     def step_context(self) -> contextlib.ExitStack:
         """What a pass of the model runs under: loss parallel (a vocab-parallel output) and

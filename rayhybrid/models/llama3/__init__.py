@@ -58,6 +58,7 @@ SPEC = ModelSpec(
     build_stage=build_stage,
     parallelize=parallelize,
     compiles=True,
+    chunked_head=True,
     num_params=num_params,
     flops_per_token=flops_per_token,
     validate=validate,
