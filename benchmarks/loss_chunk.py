@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from distributed import run_ranks  # noqa: E402 (tests/distributed.py: one gloo rank per process)
+from distributed import run_ranks  # tests/distributed.py: one gloo rank per process
 
 BASE = [
     "model=llama3_debug",

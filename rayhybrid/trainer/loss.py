@@ -22,6 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
@@ -104,21 +105,26 @@ class TokenLoss:
         replica_tokens: int,
     ) -> None:
         self.spec, self.replica_tokens = spec, replica_tokens
-        self.output: nn.Module | None = None  # the last stage's projection, when the loss runs it
         # A micro-batch of at most `chunk` tokens is one chunk: its whole logits, as without.
         self.chunk = chunk if spec.loss_in_chunks(chunk, micro_batch_tokens) else 0
         if chunk > 0 and not self.chunk and not chunk >= micro_batch_tokens:
             why = "has its own loss (ModelSpec.loss)" if spec.loss is not None else "has no chunked_head"
             log.info("train.loss_chunk=%d is not used: model %s %s; its loss reads whole logits", chunk, spec.name, why)
+        self.stage: nn.Module | None = None  # the last stage, whose `output` the loss runs
         for index, module in stages if self.chunk else ():
             if index == num_stages - 1:
                 module.return_hidden = True
-                self.output = module.output
+                self.stage = module
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.spec.loss is not None:
             return self.spec.loss(output, targets) / self.replica_tokens
         if self.chunk:
-            return chunked_cross_entropy(self.output, output, targets, self.chunk, self.replica_tokens)
+            if isinstance(self.stage, FSDPModule):
+                # FSDP2 resharded the stage after its forward (train.topology.dp_shard, pp = 1):
+                # gathered again for the loss, and kept for the backward that follows, which
+                # starts with them (a no-op where they are whole: pipelines, replicate).
+                self.stage.unshard()
+            return chunked_cross_entropy(self.stage.output, output, targets, self.chunk, self.replica_tokens)
         loss = F.cross_entropy(output.flatten(0, 1).float(), targets.flatten(), reduction="sum")
         return loss / self.replica_tokens
