@@ -97,7 +97,10 @@ class MemoryModel(Protocol):
 
     def head_bytes(self, cfg: Any, tp: int, dtype: str, vocab_local: int) -> int:
         """Saved per sample after the blocks (final norm, logits' log-softmax, targets);
-        `vocab_local`: the logit columns a rank holds."""
+        `vocab_local`: the logit columns a rank holds. A model with `chunked_head` also takes
+        `chunked=True` (train.loss_chunk in use): what the head saves when the loss runs the
+        output projection in chunks (its norm's, and the loss's gradient to the hidden state;
+        the planner adds the output weight's gradient, per micro-batch)."""
         ...
 
     def block_transient(self, cfg: Any, tp: int, dtype: str) -> int:
