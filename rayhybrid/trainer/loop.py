@@ -25,12 +25,11 @@ from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
 from rayhybrid.parallel.tied import TiedCopies
-from rayhybrid.trainer.build import build_memory_meter, build_optimizers, build_pipeline, build_stages
+from rayhybrid.trainer.build import build_loss, build_memory_meter, build_optimizers, build_pipeline, build_stages
 from rayhybrid.trainer.checkpoint import Checkpoints
 from rayhybrid.trainer.evaluation import Evaluation
 from rayhybrid.trainer.heal import heal_enabled
 from rayhybrid.trainer.instrument import instrument_stage
-from rayhybrid.trainer.loss import TokenLoss
 from rayhybrid.trainer.optim import lr_at, set_lr
 from rayhybrid.trainer.passes import Accumulate, Pipelined
 from rayhybrid.trainer.results import RestoreResult, SaveResult, StepMetrics, StepResult
@@ -78,16 +77,7 @@ class Trainer:
             mark("restore")
         self.has_first = any(i == 0 for i, _ in self.stages)
         self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
-        # The loss (trainer/loss.py): with train.loss_chunk the last stage returns its hidden
-        # state and the loss runs its output projection in chunks of tokens.
-        self.loss = TokenLoss(
-            self.spec,
-            self.stages,
-            num_stages=self.num_stages,
-            chunk=cfg.train.loss_chunk,
-            micro_batch_tokens=cfg.train.micro_batch_size * cfg.data.seq_len,
-            replica_tokens=self.replica_tokens,
-        )
+        self.loss = build_loss(cfg, self.spec, self.layout, self.stages)  # in chunks: train.loss_chunk
         self.params = [p for _, m in self.stages for p in m.parameters()]
         self.tied = TiedCopies(self.stages, self.layout)  # an output tied to the embedding at pp>1
         self.optimizers = build_optimizers(self.stages, cfg.train)
@@ -143,10 +133,7 @@ class Trainer:
         }
 
     def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The model family's loss (`ModelSpec.loss`), else the token cross-entropy (in chunks
-        with train.loss_chunk: `output` is then the last stage's hidden state), summed over the
-        micro-batch and divided by the replica's token count: micro-batch losses add up to the
-        replica's mean loss, and averaging over dp gives the global batch's mean."""
+        """A micro-batch's summed loss over the replica's token count (`TokenLoss`, trainer/loss.py)."""
         return self.loss(output, targets)
 
     def step_context(self) -> contextlib.ExitStack:
