@@ -30,6 +30,7 @@ CASES = {
     "tp2 gathered": ["+topology=tp2", "topology.loss_parallel=false"],
     "pp2 1f1b tied": ["+topology=pp2", "model.options.tie_embeddings=true"],
     "pp2 zbv": ["topology.pp=2", "topology.schedule=zbv", "topology.stages_per_rank=2"],
+    "dp2 replicate": ["+topology=dp2"],
     "dp2 fsdp": ["+topology=dp2", "topology.dp_shard=true"],
 }
 

@@ -2,7 +2,7 @@
 micro-batch and divided by the replica's token count, over whole logits or in chunks of tokens
 (`train.loss_chunk`).
 
-    loss = TokenLoss(spec, stages, num_stages=..., chunk=cfg.train.loss_chunk, replica_tokens=...)
+    loss = build_loss(cfg, spec, layout, stages)   # trainer/build.py: a TokenLoss
     loss(stage_output, targets)   # the trainer's `loss_fn`, pipeline schedules' too
 
 In chunks, the last stage returns its final (normalised) hidden state instead of logits (a spec
@@ -12,7 +12,8 @@ micro-batch exist, forward or backward. Training, each chunk's logits, cross-ent
 gradients (to the hidden state and to the output weight) are made in the forward
 (`ChunkedCrossEntropy`), and only the two gradients are kept for backward: one chunk's logits
 and their gradient at a time, no recomputation, and the backward is one autograd node whose
-gradient to the weight a zero-bubble schedule's weight pass reads again (docs/memory.md).
+gradient to the weight a zero-bubble schedule's weight pass reads again
+(docs/configuration.md, "The loss in chunks").
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class TokenLoss:
         self.spec, self.replica_tokens = spec, replica_tokens
         # A micro-batch of at most `chunk` tokens is one chunk: its whole logits, as without.
         self.chunk = chunk if spec.loss_in_chunks(chunk, micro_batch_tokens) else 0
-        if chunk > 0 and not self.chunk and not chunk >= micro_batch_tokens:
+        if 0 < chunk < micro_batch_tokens and not self.chunk:
             why = "has its own loss (ModelSpec.loss)" if spec.loss is not None else "has no chunked_head"
             log.info("train.loss_chunk=%d is not used: model %s %s; its loss reads whole logits", chunk, spec.name, why)
         self.stage: nn.Module | None = None  # the last stage, whose `output` the loss runs
@@ -121,7 +122,7 @@ class TokenLoss:
             return self.spec.loss(output, targets) / self.replica_tokens
         if self.chunk:
             if isinstance(self.stage, FSDPModule):
-                # FSDP2 resharded the stage after its forward (train.topology.dp_shard, pp = 1):
+                # FSDP2 resharded the stage after its forward (topology.dp_shard, pp = 1):
                 # gathered again for the loss, and kept for the backward that follows, which
                 # starts with them (a no-op where they are whole: pipelines, replicate).
                 self.stage.unshard()
