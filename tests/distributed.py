@@ -608,3 +608,18 @@ def offload_steps(rank: int, cfgs: dict, steps: int) -> dict[str, dict]:
         }
         del tr
     return out
+
+
+def loss_grads_eval_many(rank: int, cfgs: dict) -> dict[str, dict]:
+    """For each labelled config: a fresh `Trainer`, one `forward_backward()` (its global loss and
+    every parameter's full gradient, as `grads_many`), then `evaluate()` (the held-out loss)."""
+    out = grads_many(rank, cfgs)
+    from rayhybrid.trainer.loop import Trainer
+
+    for label, cfg in cfgs.items():
+        tr = Trainer(cfg, rank=rank, device=torch.device("cpu"))
+        out[label]["loss"] = tr.global_loss(tr.forward_backward())
+        out[label]["val_loss"] = tr.evaluate()
+        out[label]["chunk"] = tr.loss.chunk  # the tokens per chunk the loss ran (0: whole logits)
+        del tr
+    return out

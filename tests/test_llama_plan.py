@@ -212,6 +212,15 @@ CASES = [
     ("pp2 1f1b", ["+topology=pp2"], EXACT),
     ("dp2 fsdp", ["+topology=dp2", "topology.dp_shard=true"], EXACT),
     ("pp2 zbv", ["topology.pp=2", "topology.schedule=zbv", "topology.stages_per_rank=2"], 0.05),
+    # The loss in chunks of 64 of a micro-batch's 256 tokens (train.loss_chunk).
+    ("dp1 chunks", ["train.loss_chunk=64"], EXACT),
+    ("tp2 chunks", ["+topology=tp2", "train.loss_chunk=64"], EXACT),
+    ("pp2 chunks", ["+topology=pp2", "train.loss_chunk=64"], EXACT),
+    (
+        "pp2 zbv chunks",
+        ["topology.pp=2", "topology.schedule=zbv", "topology.stages_per_rank=2", "train.loss_chunk=64"],
+        0.05,
+    ),
 ]
 # A tied output (Llama 3.2 1B and 3B): one tensor for the embedding and the output, on one tp
 # rank and under tp (one DTensor); a copy on the last stage under pp.

@@ -278,6 +278,23 @@ MEMORY_CASES = [
     # weights until W; torch frees some saved tensors at I already, so the prediction is high
     # (+2.0% / +3.2% here; +3.2% / +4.2% for interleaved_zb, not run here).
     ("pp2 zbv", ["+topology=pp2_zbv"], 0.05),
+    # The loss in chunks (train.loss_chunk): a micro-batch's 256 tokens in chunks of 64, the
+    # last stage's output its hidden state; FSDP2 gathers the root again for the loss.
+    ("dp1 vocab 4096 chunks", ["model.vocab_size=4096", "train.loss_chunk=64"], EXACT),
+    (
+        "pp2 vocab 2048 chunks",
+        [
+            "+topology=pp2",
+            "model.d_model=32",
+            "model.vocab_size=2048",
+            "data.seq_len=128",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "train.loss_chunk=64",
+        ],
+        EXACT,
+    ),
+    ("dp2 fsdp chunks", ["+topology=dp2", "topology.dp_shard=true", "train.loss_chunk=64"], EXACT),
 ]
 
 

@@ -200,6 +200,11 @@ class TrainConfig:
     The first step pays the compile; its artifacts are cached on the node
     ($TORCHINDUCTOR_CACHE_DIR/rayhybrid, else /tmp/torchinductor_<user>/rayhybrid), so the next
     process there loads them. Off by default: docs/configuration.md has the measured trade."""
+    loss_chunk: int = 1024
+    """Tokens per chunk of the output projection and cross-entropy (rayhybrid/trainer/loss.py):
+    no float32 logits of the whole micro-batch exist, forward or backward; 0: whole logits.
+    Models with `chunked_head` (gpt, llama3) and the default cross-entropy only; a family's own
+    loss reads whole logits."""
     log_every: int = 1
 
 

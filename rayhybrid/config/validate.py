@@ -75,6 +75,7 @@ def check(cfg: Config) -> None:
     _choice("train.decay", tr.decay, DECAYS)
     _float8(cfg)
     _dp_shard(cfg)
+    _loss_chunk(tr.loss_chunk)
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
 
     virtual = Layout.of(cfg).virtual_stages
@@ -126,6 +127,13 @@ def _dp_shard(cfg: Config) -> None:
                 f"{value} does not divide {setting}={dp} (HSDP shards over whole groups of {value} dp ranks); "
                 f"use one of {divisors}, true or false, or make {setting} a multiple of {value}",
             )
+
+
+def _loss_chunk(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            "train.loss_chunk", f"must be a whole number of tokens per chunk (0: off), got {value!r}; set e.g. 1024"
+        )
 
 
 def _float8(cfg: Config) -> None:

@@ -15,7 +15,8 @@ Contract of the pieces (docs/models.md says it for users):
   parameter names are the full model's (`layers.5.attention.wq.weight` on every stage that holds
   layer 5), so checkpoints reshard across any layout. It has `init_weights(seed)`, which must
   give a parameter the same value whichever stage holds it. `forward(tokens)` on the first stage,
-  `forward(hidden)` on the others; the last stage returns logits (batch, seq, vocab).
+  `forward(hidden)` on the others; the last stage returns logits (batch, seq, vocab), or with
+  `chunked_head` and its `return_hidden` set, the hidden state its `output` reads.
 - `parallelize(stage, *, tp_mesh, dp_mesh, dp_shard, activation_checkpointing, loss_parallel,
   reshard_after_forward)` applies tensor parallelism (DTensor plans), activation checkpointing
   and data parallelism (`rayhybrid.parallel.data_parallel.apply_data_parallel`), in that order,
@@ -98,7 +99,10 @@ class MemoryModel(Protocol):
 
     def head_bytes(self, cfg: Any, tp: int, dtype: str, vocab_local: int) -> int:
         """Saved per sample after the blocks (final norm, logits' log-softmax, targets);
-        `vocab_local`: the logit columns a rank holds."""
+        `vocab_local`: the logit columns a rank holds. A model with `chunked_head` also takes
+        `chunked=True` (train.loss_chunk in use): what the head saves when the loss runs the
+        output projection in chunks (its norm's, and the loss's gradient to the hidden state;
+        the planner adds the output weight's gradient, per micro-batch)."""
         ...
 
     def cuda_not_saved(self, cfg: Any, tp: int, dtype: str) -> tuple[int, int]:
@@ -150,4 +154,18 @@ class ModelSpec:
     tokens` (a 0-d tensor; the trainer divides by the replica's token count, so micro-batch
     losses add up to the replica's mean). It runs inside torch's `loss_parallel()` when the
     output is tensor-parallel, so it must work on sharded logits as `F.cross_entropy` does.
-    None: summed token cross-entropy."""
+    None: summed token cross-entropy, in chunks of tokens where the model has `chunked_head`
+    (train.loss_chunk), else on whole logits. A family's own loss always reads whole logits."""
+    chunked_head: bool = False
+    """The last stage's module has `output`, the linear projection to the vocabulary (its
+    `weight` the logits' matrix, tensor-parallel as the family's plan makes it), and a
+    `return_hidden` attribute: set True (by the trainer, train.loss_chunk > 0), its forward
+    returns the hidden state that `output` reads instead of logits, and the trainer's loss runs
+    `output` over chunks of tokens (rayhybrid/trainer/loss.py). False: the last stage always
+    returns logits and the loss reads them whole."""
+
+    def loss_in_chunks(self, chunk: int, micro_batch_tokens: int) -> bool:
+        """Whether the trainer's loss runs in chunks of `chunk` tokens (train.loss_chunk): a
+        model with `chunked_head`, the default cross-entropy, and micro-batches of more than
+        `chunk` tokens (a smaller one is one chunk: its whole logits, exactly as with 0)."""
+        return 0 < chunk < micro_batch_tokens and self.loss is None and self.chunked_head

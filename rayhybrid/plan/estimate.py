@@ -84,6 +84,13 @@ def block_bytes(cfg: Config, tp: int | None = None, dtype: str | None = None, de
     return memory_model(cfg).block_bytes(cfg, _t(cfg, tp), _dtype(cfg, dtype)) - less
 
 
+def loss_chunk(cfg: Config) -> int:
+    """Tokens per chunk of the training loss (train.loss_chunk, where the model's spec runs it
+    in chunks: `ModelSpec.loss_in_chunks`); 0: whole logits."""
+    chunk, tokens = cfg.train.loss_chunk, cfg.train.micro_batch_size * cfg.data.seq_len
+    return chunk if get_spec(cfg.model).loss_in_chunks(chunk, tokens) else 0
+
+
 def head_bytes(
     cfg: Config,
     tp: int | None = None,
@@ -92,10 +99,12 @@ def head_bytes(
     device: str = "cpu",
 ) -> int:
     """Per sample after the blocks: the final norm, the log-softmax of the logits (float32), the
-    targets (the model's memory model); `device` as for `block_bytes`."""
+    targets (the model's memory model); in chunks (train.loss_chunk), the norm's and the loss's
+    gradient to the hidden state; `device` as for `block_bytes`."""
     v = vocab_local(cfg, tp, loss_parallel)
+    chunked = {"chunked": True} if loss_chunk(cfg) else {}
     less = cuda_not_saved(cfg, tp, dtype)[1] if device == "cuda" else 0
-    return memory_model(cfg).head_bytes(cfg, _t(cfg, tp), _dtype(cfg, dtype), v) - less
+    return memory_model(cfg).head_bytes(cfg, _t(cfg, tp), _dtype(cfg, dtype), v, **chunked) - less
 
 
 def saved_bytes_per_sample(cfg: Config, tp: int | None = None, dtype: str | None = None) -> int:

@@ -29,6 +29,7 @@ from rayhybrid.plan.estimate import (
     _microbatches,
     block_bytes,
     head_bytes,
+    loss_chunk,
     memory_model,
     owned_stages,
     stage_owners,
@@ -152,7 +153,7 @@ def saved_activations(cfg: Config, stage: Stage, cuda: bool = False) -> tuple[in
     it (freed before the blocks' backward); `cuda`: as CUDA's kernels save it."""
     b, bsd = cfg.train.micro_batch_size, _bsd(cfg)
     block = b * block_bytes(cfg, device=_device(cuda))
-    head = b * head_bytes(cfg, device=_device(cuda)) if stage.last else 0
+    head = b * head_bytes(cfg, device=_device(cuda)) + _chunk_weight_grad(cfg) if stage.last else 0
     if cfg.train.activation_checkpointing:
         held = len(stage.layers) * bsd  # each block keeps only its input
     else:
@@ -163,39 +164,67 @@ def saved_activations(cfg: Config, stage: Stage, cuda: bool = False) -> tuple[in
     return held, head
 
 
+def _chunk_weight_grad(cfg: Config) -> int:
+    """train.loss_chunk: the output weight's gradient (its local V / tp rows x d, float32) that
+    the chunked loss makes in the forward and keeps for backward, per micro-batch; 0: whole."""
+    return FLOAT * _ceil(cfg.model.vocab_size, cfg.topology.tp) * cfg.model.d_model if loss_chunk(cfg) else 0
+
+
+def _logits_transient(cfg: Config, tokens: int, kept: bool) -> int:
+    """The forward's short-lived logits of `tokens` tokens: the local logits before the gather
+    (tp without loss parallel), the loss's float32 copy (bfloat16), and the logits themselves
+    unless a pipeline keeps them (`kept`, counted as a buffer)."""
+    t, m = cfg.topology, cfg.model
+    bf16 = cfg.train.dtype == "bfloat16"
+    act = BF16 if bf16 else FLOAT
+    v_local = vocab_local(cfg)
+    shard = act * tokens * _ceil(m.vocab_size, t.tp) if t.tp > 1 and not _loss_parallel(cfg) else 0
+    return shard + (FLOAT * tokens * v_local if bf16 else 0) + (0 if kept else act * tokens * v_local)
+
+
 def forward_transient(cfg: Config, stage: Stage) -> int:
     """The largest short-lived tensors of the stage's forward."""
-    t, tr, m = cfg.topology, cfg.train, cfg.model
+    tr, m = cfg.train, cfg.model
     b, s = tr.micro_batch_size, cfg.data.seq_len
-    bf16 = tr.dtype == "bfloat16"
-    act = BF16 if bf16 else FLOAT
     if not stage.last:
+        act = BF16 if tr.dtype == "bfloat16" else FLOAT
         return act * b * s * m.d_model  # the MLP output before the residual add
-    v_local = vocab_local(cfg)
-    logits = b * s * v_local * act
-    # Local logits before the gather.
-    shard = act * b * s * _ceil(m.vocab_size, t.tp) if t.tp > 1 and not _loss_parallel(cfg) else 0
+    if chunk := loss_chunk(cfg):
+        # One chunk's logits, then its log-softmax kept through its backward (the loss's
+        # gradients, `backward_transients`), then its new weight gradient before it is added.
+        head_tr, _, _ = backward_transients(cfg, stage, tokens=chunk)
+        log_softmax = FLOAT * chunk * vocab_local(cfg)
+        return max(_logits_transient(cfg, chunk, kept=False), head_tr) + log_softmax + _chunk_weight_grad(cfg)
     # The logits (bfloat16: and the loss's float32 copy) exist until the log-softmax is made;
     # a pipeline keeps every micro-batch's logits anyway (counted as a buffer).
-    return shard + (FLOAT * b * s * v_local if bf16 else 0) + (logits if t.pp == 1 else 0)
+    return _logits_transient(cfg, b * s, kept=cfg.topology.pp > 1)
 
 
-def backward_transients(cfg: Config, stage: Stage) -> tuple[int, int, int]:
+def backward_transients(cfg: Config, stage: Stage, tokens: int | None = None) -> tuple[int, int, int]:
     """(loss, output projection, token embedding): the short-lived tensors of the backward of
-    the head's and the first stage's own operators."""
+    the head's and the first stage's own operators (the loss's: of `tokens` tokens, default a
+    micro-batch's). train.loss_chunk: the loss's backward scales the gradients its forward
+    made (the hidden state's and the output weight's: a new copy of each), and the output
+    projection has none of its own."""
     tp, m = cfg.topology.tp, cfg.model
-    b, s, bsd = cfg.train.micro_batch_size, cfg.data.seq_len, _bsd(cfg)
+    bsd = _bsd(cfg)
     v_local = vocab_local(cfg)
+    if tokens is None and loss_chunk(cfg):
+        return (bsd + _chunk_weight_grad(cfg) if stage.last else 0), 0, _embedding_transient(cfg, stage)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len if tokens is None else tokens
     # The loss's backward: gradients of the log-softmax output and of the logits (float32); the
     # loss-parallel cross-entropy keeps one more (measured on torch 2.13).
-    head_tr = (3 if _loss_parallel(cfg) else 2) * FLOAT * b * s * v_local if stage.last else 0
+    head_tr = (3 if _loss_parallel(cfg) else 2) * FLOAT * tokens * v_local if stage.last else 0
     # A new weight gradient is made whole before it is added to the accumulated one (or
     # becomes it): the output projection's (V x d), the token embedding's (V x d: DTensor makes
     # it replicated under tp), a block's w2 (d x h, in `block_transient`) while the MLP hidden
     # state's gradient lives.
     out_tr = bsd + FLOAT * _ceil(m.vocab_size, tp) * m.d_model if stage.last else 0
-    emb_tr = FLOAT * m.vocab_size * m.d_model + bsd if stage.first else 0
-    return head_tr, out_tr, emb_tr
+    return head_tr, out_tr, _embedding_transient(cfg, stage)
+
+
+def _embedding_transient(cfg: Config, stage: Stage) -> int:
+    return FLOAT * cfg.model.vocab_size * cfg.model.d_model + _bsd(cfg) if stage.first else 0
 
 
 def block_transient(cfg: Config, stage: Stage, cuda: bool = False) -> int:
@@ -225,7 +254,9 @@ def zero_bubble_intermediates(cfg: Config, stage: Stage) -> int:
     # per block; the final LayerNorm and the logits in the head. The first stage has no
     # input gradient to compute: torch runs its whole backward in W.
     per_block = memory_model(cfg).w_outputs(cfg, t.tp)
-    head = FLOAT * cfg.data.seq_len * (cfg.model.d_model + vocab_local(cfg)) if stage.last else 0
+    # In chunks (train.loss_chunk) the logits' is the loss's own gradient, a scalar.
+    logits = 0 if loss_chunk(cfg) else vocab_local(cfg)
+    head = FLOAT * cfg.data.seq_len * (cfg.model.d_model + logits) if stage.last else 0
     return cfg.train.micro_batch_size * (len(stage.layers) * per_block + head)
 
 
@@ -292,7 +323,10 @@ def stage_cost(cfg: Config, stage: Stage, remote_prev: bool, remote_next: bool, 
         block_transient=block_transient(cfg, stage, cuda),
         embedding_transient=emb_tr,
         w_intermediates=zero_bubble_intermediates(cfg, stage),
-        logits=tr.micro_batch_size * cfg.data.seq_len * vocab_local(cfg) * act if kept_logits else 0,
+        # In chunks (train.loss_chunk) the last stage's output is its hidden state (float32).
+        logits=(bsd if loss_chunk(cfg) else tr.micro_batch_size * cfg.data.seq_len * vocab_local(cfg) * act)
+        if kept_logits
+        else 0,
         out_send=bsd if remote_next else 0,
         grad_send=bsd if remote_prev else 0,
         grad_extra=gradient_extra(cfg, stage),
@@ -589,13 +623,14 @@ def resident_tensors(cfg: Config, state: WeightsAndOptimizer) -> list[int]:
 
 def largest_allocation(cfg: Config, costs: dict[int, _StageCost], state: WeightsAndOptimizer) -> int:
     """The step's largest single tensor: a parameter's (float32, or its gradient made whole),
-    the float32 logits of the loss and their gradients (last stage), the MLP's hidden state."""
+    the float32 logits of the loss and their gradients (last stage; one chunk's with
+    train.loss_chunk), the MLP's hidden state."""
     tp, b, s = cfg.topology.tp, cfg.train.micro_batch_size, cfg.data.seq_len
     act = BF16 if cfg.train.dtype == "bfloat16" else FLOAT
     sizes = [FLOAT * p.numel for p in state.tensors]
     sizes.append(act * b * s * _ceil(cfg.model.hidden_dim, tp))
     if any(c.stage.last for c in costs.values()):
-        sizes.append(FLOAT * b * s * vocab_local(cfg))
+        sizes.append(FLOAT * (loss_chunk(cfg) or b * s) * vocab_local(cfg))
     return max(sizes)
 
 

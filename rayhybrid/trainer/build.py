@@ -3,6 +3,7 @@ the meta device, materialised, initialised, parallelised), one optimizer per sta
 schedule over them, and the memory meter.
 
     stages = build_stages(cfg, spec, layout, mesh, device, pp_rank=coord.pp, loss_parallel=...)
+    loss = build_loss(cfg, spec, layout, stages)  # the last stage's output into the loss
     optimizers = build_optimizers(stages, cfg.train)
     schedule = build_pipeline(cfg, layout, stages, mesh, device, loss_fn, instrument)  # None: pp == 1
     memory = build_memory_meter(cfg, device, stages, optimizers)  # None: metrics.memory off
@@ -26,6 +27,7 @@ from rayhybrid.parallel.compile import check_compile
 from rayhybrid.parallel.float8 import check_float8, convert_blocks
 from rayhybrid.parallel.mesh import data_parallel_mesh, split_dp
 from rayhybrid.storage.store import one_line
+from rayhybrid.trainer.loss import TokenLoss
 from rayhybrid.trainer.optim import build_optimizer
 from rayhybrid.trainer.startup import mark
 
@@ -102,6 +104,21 @@ def build_stage(
         reshard_after_forward=cfg.topology.pp == 1,
         **({"compile": True} if cfg.train.compile else {}),  # only when on: a spec may not take it
         **({"offload_activations": True} if cfg.train.offload_activations else {}),
+    )
+
+
+def build_loss(cfg: Config, spec: ModelSpec, layout: Layout, stages: Stages) -> TokenLoss:
+    """The training loss (rayhybrid/trainer/loss.py), summed over a micro-batch and divided by
+    the replica's token count: micro-batch losses add up to the replica's mean loss, and
+    averaging over dp gives the global batch's mean. With train.loss_chunk the last stage
+    returns its hidden state and the loss runs its output projection in chunks of tokens."""
+    return TokenLoss(
+        spec,
+        stages,
+        num_stages=layout.num_stages,
+        chunk=cfg.train.loss_chunk,
+        micro_batch_tokens=cfg.train.micro_batch_size * cfg.data.seq_len,
+        replica_tokens=layout.replica_batch_size * cfg.data.seq_len,
     )
 
 

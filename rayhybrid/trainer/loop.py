@@ -14,7 +14,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -26,7 +25,7 @@ from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
 from rayhybrid.parallel.tied import TiedCopies
-from rayhybrid.trainer.build import build_memory_meter, build_optimizers, build_pipeline, build_stages
+from rayhybrid.trainer.build import build_loss, build_memory_meter, build_optimizers, build_pipeline, build_stages
 from rayhybrid.trainer.checkpoint import Checkpoints
 from rayhybrid.trainer.evaluation import Evaluation
 from rayhybrid.trainer.heal import heal_enabled
@@ -78,6 +77,7 @@ class Trainer:
             mark("restore")
         self.has_first = any(i == 0 for i, _ in self.stages)
         self.has_last = any(i == self.num_stages - 1 for i, _ in self.stages)
+        self.loss = build_loss(cfg, self.spec, self.layout, self.stages)  # in chunks: train.loss_chunk
         self.params = [p for _, m in self.stages for p in m.parameters()]
         self.tied = TiedCopies(self.stages, self.layout)  # an output tied to the embedding at pp>1
         self.optimizers = build_optimizers(self.stages, cfg.train)
@@ -132,14 +132,9 @@ class Trainer:
             "loss_floor": self.stream.loss_floor,
         }
 
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The model family's loss (`ModelSpec.loss`), else the token cross-entropy, summed over
-        the micro-batch and divided by the replica's token count: micro-batch losses add up to
-        the replica's mean loss, and averaging over dp gives the global batch's mean."""
-        if self.spec.loss is not None:
-            return self.spec.loss(logits, targets) / self.replica_tokens
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-        return loss / self.replica_tokens
+    def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's summed loss over the replica's token count (`TokenLoss`, trainer/loss.py)."""
+        return self.loss(output, targets)
 
     def step_context(self) -> contextlib.ExitStack:
         """What a pass of the model runs under: loss parallel (a vocab-parallel output) and

@@ -36,6 +36,7 @@ SPEC = ModelSpec(
     parallelize=parallelize,
     compiles=True,
     offloads=True,
+    chunked_head=True,
     num_params=num_params,
     flops_per_token=flops_per_token,
     validate=validate,

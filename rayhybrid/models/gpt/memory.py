@@ -73,13 +73,16 @@ class GPTMemory:
             return FLOAT * (2 * s * d + 4 * s + ceil_div(heads, t) * s) + BF16 * (4 * s * d + sharded)
         return FLOAT * (s * (4 * d + 4) + sharded + ceil_div(heads, t) * s)
 
-    def head_bytes(self, cfg, tp: int, dtype: str, vocab_local: int) -> int:
+    def head_bytes(self, cfg, tp: int, dtype: str, vocab_local: int, chunked: bool = False) -> int:
         """Per sample after the blocks: the final LayerNorm's input and output (2 s d) and stats
         (2 s); the log-softmax of the logits (s V, float32 whatever the dtype: the loss casts the
         logits; s V / t with loss parallelism); the targets, flattened into a copy (s int64: they
         are a strided slice of the token stream). bfloat16: the LayerNorm output is kept as the
-        output projection's bfloat16 copy."""
+        output projection's bfloat16 copy. `chunked` (train.loss_chunk): the LayerNorm's input
+        and stats, and the loss's gradient to the hidden state (s d float32) in place of the rest."""
         m, s, v = cfg.model, cfg.data.seq_len, vocab_local
+        if chunked:
+            return FLOAT * (2 * s * m.d_model + 2 * s)
         if dtype == "bfloat16":
             return FLOAT * (s * m.d_model + 2 * s + s * v) + BF16 * s * m.d_model + INT64 * s
         return FLOAT * (2 * s * m.d_model + 2 * s + s * v) + INT64 * s

@@ -65,6 +65,10 @@ class Block(CheckpointedBlock):
 class GPT(nn.Module):
     """The whole decoder (defaults) or one pipeline stage of it."""
 
+    return_hidden = False
+    """The last stage returns its final (normalised) hidden state, not logits: the trainer's
+    chunked loss runs `output` itself (train.loss_chunk, rayhybrid/trainer/loss.py)."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -90,7 +94,9 @@ class GPT(nn.Module):
         for layer in self.layers.values():
             x = layer(x)
         if self.output is not None:
-            x = self.output(self.norm(x))
+            x = self.norm(x)
+            if not self.return_hidden:
+                x = self.output(x)
         return x
 
     def init_weights(self, seed: int) -> None:

@@ -98,13 +98,16 @@ class LlamaMemory:
             return FLOAT * (4 * s * d + 2 * s + lse) + BF16 * (5 * s * d + sharded) + rope
         return FLOAT * (6 * s * d + 2 * s + lse + sharded) + rope
 
-    def head_bytes(self, cfg, tp: int, dtype: str, vocab_local: int) -> int:
+    def head_bytes(self, cfg, tp: int, dtype: str, vocab_local: int, chunked: bool = False) -> int:
         """Per sample after the blocks: the final RMSNorm's input, x/rms and 1/rms (2 s d + s,
         float32) and its output, kept by the output projection (s d float32; bfloat16: the
         projection's own bfloat16 copy); the log-softmax of the logits (s V, float32 whatever
         the dtype: the loss casts the logits; s V / t with loss parallelism); the targets,
-        flattened into a copy (s int64)."""
+        flattened into a copy (s int64). `chunked` (train.loss_chunk): the norm's, and the
+        loss's gradient to the hidden state (s d float32) in place of the rest."""
         m, s, v = cfg.model, cfg.data.seq_len, vocab_local
+        if chunked:
+            return FLOAT * (3 * s * m.d_model + s)
         if dtype == "bfloat16":
             return FLOAT * (2 * s * m.d_model + s + s * v) + BF16 * s * m.d_model + INT64 * s
         return FLOAT * (3 * s * m.d_model + s + s * v) + INT64 * s

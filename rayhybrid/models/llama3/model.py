@@ -115,6 +115,10 @@ class Block(CheckpointedBlock):
 class Llama(nn.Module):
     """The whole decoder (defaults) or one pipeline stage of it."""
 
+    return_hidden = False
+    """The last stage returns its final (normalised) hidden state, not logits: the trainer's
+    chunked loss runs `output` itself (train.loss_chunk, rayhybrid/trainer/loss.py)."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -153,7 +157,9 @@ class Llama(nn.Module):
         for layer in self.layers.values():
             x = layer(x)
         if self.output is not None:
-            x = self.output(self.norm(x))
+            x = self.norm(x)
+            if not self.return_hidden:
+                x = self.output(x)
         return x
 
     def init_weights(self, seed: int) -> None:

@@ -1,0 +1,131 @@
+"""The training loss of the last pipeline stage: the token cross-entropy summed over a
+micro-batch and divided by the replica's token count, over whole logits or in chunks of tokens
+(`train.loss_chunk`).
+
+    loss = build_loss(cfg, spec, layout, stages)   # trainer/build.py: a TokenLoss
+    loss(stage_output, targets)   # the trainer's `loss_fn`, pipeline schedules' too
+
+In chunks, the last stage returns its final (normalised) hidden state instead of logits (a spec
+with `chunked_head`, its module's `return_hidden` set here) and the loss runs the stage's
+`output` projection itself, `chunk` tokens at a time: no float32 logits of the whole
+micro-batch exist, forward or backward. Training, each chunk's logits, cross-entropy and their
+gradients (to the hidden state and to the output weight) are made in the forward
+(`ChunkedCrossEntropy`), and only the two gradients are kept for backward: one chunk's logits
+and their gradient at a time, no recomputation, and the backward is one autograd node whose
+gradient to the weight a zero-bubble schedule's weight pass reads again
+(docs/configuration.md, "The loss in chunks").
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
+
+
+def _chunk_loss(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, divisor: int) -> torch.Tensor:
+    """One chunk's summed cross-entropy divided by `divisor`, as the whole-logits loss computes
+    it (the projection under the current autocast, float32 logits into the loss)."""
+    logits = output(hidden)
+    return F.cross_entropy(logits.float(), targets, reduction="sum") / divisor
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: a loss-parallel DTensor's full value."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The summed token cross-entropy of `output(hidden)` over `divisor`, `chunk` rows at a time.
+    The forward makes each chunk's gradients to `hidden` and to `weight` (the output's, passed
+    in so that autograd links it), adds them up and keeps them; backward multiplies them by the
+    loss's gradient. Works on a tensor-parallel output (DTensor weight, loss parallel)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, output, chunk, divisor):
+        total, grad_weight, grad_hidden = None, None, torch.empty_like(hidden)
+        with torch.enable_grad():
+            for start in range(0, hidden.shape[0], chunk):
+                rows = hidden[start : start + chunk].detach().requires_grad_()
+                loss = _chunk_loss(output, rows, targets[start : start + chunk], divisor)
+                g_rows, g_weight = torch.autograd.grad(loss, (rows, weight))
+                grad_hidden[start : start + chunk] = g_rows
+                grad_weight = g_weight if grad_weight is None else grad_weight.add_(g_weight)
+                loss = _plain(loss.detach())
+                total = loss if total is None else total + loss
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if isinstance(grad_weight, DTensor):
+            grad_weight = DTensor.from_local(
+                grad_weight.to_local() * grad, grad_weight.device_mesh, grad_weight.placements, run_check=False
+            )
+        else:
+            grad_weight = grad_weight * grad
+        return grad_hidden * grad, grad_weight, None, None, None, None
+
+
+def chunked_cross_entropy(
+    output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, divisor: int
+) -> torch.Tensor:
+    """The summed token cross-entropy of `output(hidden)` over `chunk` tokens at a time,
+    divided by `divisor`; `hidden` (batch, seq, d) or (tokens, d), `targets` the matching token ids."""
+    hidden, targets = hidden.flatten(0, -2), targets.flatten()
+    weight = output.weight
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return ChunkedCrossEntropy.apply(hidden, weight, targets, output, chunk, divisor)
+    losses = [
+        _plain(_chunk_loss(output, hidden[i : i + chunk], targets[i : i + chunk], divisor))
+        for i in range(0, hidden.shape[0], chunk)
+    ]
+    return torch.stack(losses).sum()
+
+
+class TokenLoss:
+    """The trainer's loss: the family's own (`ModelSpec.loss`) on whole logits, else the token
+    cross-entropy, in chunks (`chunk` > 0 and a spec with `chunked_head`) or on whole logits.
+    Either way summed over the micro-batch and divided by `replica_tokens`."""
+
+    def __init__(
+        self,
+        spec,
+        stages: list[tuple[int, nn.Module]],
+        *,
+        num_stages: int,
+        chunk: int,
+        micro_batch_tokens: int,
+        replica_tokens: int,
+    ) -> None:
+        self.spec, self.replica_tokens = spec, replica_tokens
+        # A micro-batch of at most `chunk` tokens is one chunk: its whole logits, as without.
+        self.chunk = chunk if spec.loss_in_chunks(chunk, micro_batch_tokens) else 0
+        if 0 < chunk < micro_batch_tokens and not self.chunk:
+            why = "has its own loss (ModelSpec.loss)" if spec.loss is not None else "has no chunked_head"
+            log.info("train.loss_chunk=%d is not used: model %s %s; its loss reads whole logits", chunk, spec.name, why)
+        self.stage: nn.Module | None = None  # the last stage, whose `output` the loss runs
+        for index, module in stages if self.chunk else ():
+            if index == num_stages - 1:
+                module.return_hidden = True
+                self.stage = module
+
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.spec.loss is not None:
+            return self.spec.loss(output, targets) / self.replica_tokens
+        if self.chunk:
+            if isinstance(self.stage, FSDPModule):
+                # FSDP2 resharded the stage after its forward (topology.dp_shard, pp = 1):
+                # gathered again for the loss, and kept for the backward that follows, which
+                # starts with them (a no-op where they are whole: pipelines, replicate).
+                self.stage.unshard()
+            return chunked_cross_entropy(self.stage.output, output, targets, self.chunk, self.replica_tokens)
+        loss = F.cross_entropy(output.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return loss / self.replica_tokens
