@@ -455,30 +455,14 @@ def test_without_cuda_run_py_skips_the_gpu_benchmark_and_keeps_its_section(tmp_p
     assert "Not yet measured" not in report.markdown({}, text)
 
 
-def _settings_here(shape: list[str]) -> list:
-    """gpu.MEMORY_SETTINGS whose settings this branch's config has (train.loss_chunk and
-    train.offload_activations come with issue 40's other parts): the rest are left out here."""
-    from rayhybrid.errors import ConfigError
-    from rayhybrid.preflight import load_config
-
-    here = []
-    for label, overrides in gpu.MEMORY_SETTINGS:
-        try:
-            load_config([*shape, *overrides])
-        except ConfigError:
-            continue
-        here.append((label, overrides))
-    return here
-
-
 def test_the_gpu_sections_largest_micro_batch_per_memory_setting_from_a_tiny_cpu_tune(tmp_path):
-    """gpu.memory_sweep on CPU: one `python -m rayhybrid.tune` per memory setting this branch has
-    (a tiny Llama, tune.memory_budget_mb playing the card), the largest micro-batch it found, its
+    """gpu.memory_sweep on CPU: one `python -m rayhybrid.tune` per memory setting (the chunked
+    loss, whole logits, offload; a tiny Llama, tune.memory_budget_mb playing the card), the largest micro-batch it found, its
     memory trials, tokens/s there and the plan against the measured peak; the section renders them."""
     card = {"name": "cpu (test)", "capability": [0, 0], "memory_mb": 1024.0, "torch": "cpu", "cuda": None}
     shape = ["model=llama3_debug", "data.seq_len=32", "train.dtype=bfloat16", "cluster.use_gpu=false"]
-    settings = _settings_here(shape)
-    assert settings[0] == gpu.MEMORY_SETTINGS[0]  # the default always runs
+    settings = gpu.MEMORY_SETTINGS
+    assert [o for _, o in settings] == [[], ["train.loss_chunk=0"], ["train.offload_activations=true"]]
     m = gpu.memory_sweep(tmp_path, card, shape, settings, budget_s=600, extra=["tune.memory_budget_mb=40"])
     for label, _ in settings:
         s = m["settings"][label]
