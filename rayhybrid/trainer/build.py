@@ -1,6 +1,6 @@
-"""What a rank trains with, built from the config: its pipeline stages (the model's spec, made on
-the meta device, materialised, initialised, parallelised), one optimizer per stage, the pipeline
-schedule over them, and the memory meter.
+"""What a rank trains with, built from the config: its pipeline stages (the model's spec, made and
+parallelised on the meta device, then this rank's shards materialised and initialised), one
+optimizer per stage, the pipeline schedule over them, and the memory meter.
 
     stages = build_stages(cfg, spec, layout, mesh, device, pp_rank=coord.pp, loss_parallel=...)
     optimizers = build_optimizers(stages, cfg.train)
