@@ -5,13 +5,18 @@ unsharded initialisation, bit for bit, whatever the layout."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from rayhybrid.config.schema import Config, DataConfig, TrainConfig
+from rayhybrid.config.topology import Layout
+from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import get_spec
 from rayhybrid.preflight import load_config
+from rayhybrid.trainer.build import build_stages
 from tests.distributed import build_shards, replace_topology, run_configs
 
 SEED = 3
@@ -99,3 +104,15 @@ def test_fsdp_and_tp_shards_of_a_tied_output_make_the_unsharded_init(built):
         assert local < 0.26 * stage_bytes  # dp2 x tp2: split four ways (the norms over dp only)
         largest = max(t.numel() * t.element_size() for t in whole.values())
         assert got["peak"] <= local + largest + SLACK, (got["peak"], local, largest, stage_bytes)
+
+
+def test_a_missing_compiler_is_refused_before_a_meta_stage_is_compiled(monkeypatch):
+    """The blocks are compiled on the meta device, where compile_blocks looks for no compiler:
+    build_stages asks for the CPU's first."""
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    cfg = config()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
+    with pytest.raises(ConfigError, match=r"train\.compile: \$CXX=no-such-compiler-here is not found"):
+        build_stages(
+            cfg, get_spec(cfg.model), Layout.of(cfg), None, torch.device("cpu"), pp_rank=0, loss_parallel=False
+        )
