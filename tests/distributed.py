@@ -623,3 +623,65 @@ def loss_grads_eval_many(rank: int, cfgs: dict) -> dict[str, dict]:
         out[label]["chunk"] = tr.loss.chunk  # the tokens per chunk the loss ran (0: whole logits)
         del tr
     return out
+
+
+def build_shards(rank: int, cfgs: dict, without_offsets: tuple[str, ...] = ()) -> dict[str, dict]:
+    """For each labelled config: this rank's stages built (`trainer.build.build_stages`, no
+    trainer around them) under torch's `MemTracker`, for the labels in `without_offsets` with
+    DTensor's private `compute_local_shape_and_global_offset` taken away (as in a torch where it
+    moved); {label: {"warnings": what rayhybrid/parallel/materialise.py warned, "peak": the most
+    CPU tensor bytes live during the build, "local": {name: this rank's local tensor}, "placements": {name: its
+    DTensor placements, or None}, "full": {name: the whole tensor, gathered}, "tied": the
+    stage's shared parameters, "tp": this rank's tp coordinate}}."""
+    import logging.handlers
+
+    import torch.distributed.tensor._utils as dtensor_utils
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+    from torch.distributed.tensor import DTensor
+
+    from rayhybrid.config.topology import Layout
+    from rayhybrid.models.registry import get_spec
+    from rayhybrid.parallel import materialise
+    from rayhybrid.parallel.materialise import shared_parameters
+    from rayhybrid.parallel.mesh import build_mesh
+    from rayhybrid.trainer.build import build_stages
+
+    cpu, out = torch.device("cpu"), {}
+    for label, cfg in cfgs.items():
+        t, layout = cfg.topology, Layout.of(cfg)
+        mesh = build_mesh(t.dp, t.pp, t.tp, cpu)
+        coord = layout.topology.coord(rank)
+        gc.collect()
+        tracker, saved = MemTracker(), dtensor_utils.compute_local_shape_and_global_offset
+        handler = logging.handlers.BufferingHandler(capacity=100)
+        logging.getLogger(materialise.__name__).addHandler(handler)
+        if label in without_offsets:
+            del dtensor_utils.compute_local_shape_and_global_offset
+        try:
+            with tracker:
+                stages = build_stages(
+                    cfg, get_spec(cfg.model), layout, mesh, cpu, pp_rank=coord.pp, loss_parallel=False
+                )
+        finally:
+            dtensor_utils.compute_local_shape_and_global_offset = saved
+            logging.getLogger(materialise.__name__).removeHandler(handler)
+        peak = tracker.get_tracker_snapshot("peak")[cpu][_TOTAL_KEY]
+        got: dict = {
+            "warnings": [r.getMessage() for r in handler.buffer],
+            "peak": peak,
+            "local": {},
+            "placements": {},
+            "full": {},
+            "tied": [],
+            "tp": coord.tp,
+        }
+        for _, module in stages:
+            got["tied"] += shared_parameters(module)
+            for name, p in module.named_parameters():  # the same order on every rank: gathers line up
+                is_d = isinstance(p, DTensor)
+                got["local"][name] = (p.to_local() if is_d else p).detach().clone()
+                got["placements"][name] = tuple(p.placements) if is_d else None
+                got["full"][name] = (p.full_tensor() if is_d else p).detach().clone()
+        out[label] = got
+        del stages
+    return out

@@ -133,6 +133,11 @@ PRIVATE = (
     Private(f"{SCHEDULES}._wait_batch_p2p", "trainer/instrument.py: trace.json's p2p waits (swapped)", (1, ())),
     Private("torch.distributed.checkpoint._fsspec_filesystem.FsspecReader", "trainer/checkpoint.py: loading"),
     Private("torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter", "trainer/checkpoint.py: saving"),
+    Private(
+        "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+        "parallel/materialise.py: a shard cut from the whole on the CPU (without: on the device, one warning)",
+        (3, ()),
+    ),
     Private(MEM_TRACKER, MEMORY),
     Private("torch.distributed._tools.mem_tracker._TOTAL_KEY", MEMORY),
     Private(f"{MEM_TRACKER}#_curr_mem_snap", MEMORY),

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rayhybrid.parallel.compile import compile_blocks
 from rayhybrid.parallel.data_parallel import apply_data_parallel
+from rayhybrid.parallel.materialise import shared_parameters
 from rayhybrid.parallel.offload import offload_blocks
 from rayhybrid.parallel.tied import tied_copies
 
@@ -32,19 +33,6 @@ class CheckpointedBlock(nn.Module):
         return self.block_forward(x)
 
 
-def shared_parameters(module: nn.Module) -> list[tuple[str, str]]:
-    """(name, the earlier name of the same parameter) for every parameter held twice (an output
-    tied to the token embedding)."""
-    first: dict[int, str] = {}
-    tied = []
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            tied.append((name, first[id(param)]))
-        else:
-            first[id(param)] = name
-    return tied
-
-
 def tied_names(module: nn.Module) -> dict[str, str]:
     """{name: the name it is stored under} for every parameter of a stage that is another's:
     the same tensor held twice (`shared_parameters`) or a copy kept on another pipeline stage
@@ -61,6 +49,22 @@ def name_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+def initial_value(
+    seed: int, name: str, shape: tuple[int, ...], *, n_layers: int, residual: tuple[str, ...], std: float = 0.02
+) -> torch.Tensor:
+    """The whole initial value (float32, on the CPU) of the parameter `name`, from a generator
+    seeded by (seed, name), so it does not depend on which stage, or which rank's shard of it,
+    holds it: norms at one, biases at zero, matrices and embeddings normal(0, std), the residual
+    output projections (names ending in `residual`) scaled by 1/sqrt(2 x n_layers) as in GPT-2."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    scale = std / math.sqrt(2 * n_layers) if name.endswith(residual) else std
+    return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(scale)  # in place: one whole tensor
+
+
 @torch.no_grad()
 def init_by_name(
     module: nn.Module,
@@ -70,23 +74,13 @@ def init_by_name(
     std: float = 0.02,
     aliases: dict[str, str] | None = None,
 ) -> None:
-    """Every parameter from a generator seeded by (seed, its full name), so its value does not
-    depend on which stage holds it and every topology starts from the same model: norms at one,
-    biases at zero, matrices and embeddings normal(0, std), the residual output projections
-    (names ending in `residual`) scaled by 1/sqrt(2 x n_layers) as in GPT-2. A parameter named
+    """Every parameter of a materialised `module` set to its `initial_value`. A parameter named
     in `aliases` starts as the one it names (a tied copy on another stage)."""
     aliases = aliases or {}
     for own, param in module.named_parameters():
         name = aliases.get(own, own)
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            gen = torch.Generator().manual_seed(name_seed(seed, name))
-            scale = std / math.sqrt(2 * n_layers) if name.endswith(residual) else std
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * scale
-            param.copy_(values.to(param.device, param.dtype))
+        values = initial_value(seed, name, param.shape, n_layers=n_layers, residual=residual, std=std)
+        param.copy_(values.to(param.device, param.dtype))
 
 
 def checkpoint_and_shard(

@@ -13,12 +13,16 @@ Contract of the pieces (docs/models.md says it for users):
 - `build_stage(model_cfg, *, seq_len, layer_ids, first, last)` returns an `nn.Module`, one
   pipeline stage, built on whatever device is current (the trainer builds on `meta`). Its
   parameter names are the full model's (`layers.5.attention.wq.weight` on every stage that holds
-  layer 5), so checkpoints reshard across any layout. It has `init_weights(seed)`, which must
-  give a parameter the same value whichever stage holds it. `forward(tokens)` on the first stage,
+  layer 5), so checkpoints reshard across any layout. It has `init_value(name, shape, seed)`:
+  the whole initial value of a parameter or buffer, the same whichever stage holds it (the
+  trainer then parallelises the meta stage and materialises only this rank's slices, see
+  rayhybrid/parallel/materialise.py); or, a model written before that, `init_weights(seed)`,
+  which fills the whole materialised stage before it is parallelised. `forward(tokens)` on the first stage,
   `forward(hidden)` on the others; the last stage returns logits (batch, seq, vocab), or with
   `chunked_head` and its `return_hidden` set, the hidden state its `output` reads.
 - `parallelize(stage, *, tp_mesh, dp_mesh, dp_shard, activation_checkpointing, loss_parallel,
-  reshard_after_forward)` applies tensor parallelism (DTensor plans), activation checkpointing
+  reshard_after_forward)` (on the meta stage, for a stage with `init_value`: it must not read or
+  set values) applies tensor parallelism (DTensor plans), activation checkpointing
   and data parallelism (`rayhybrid.parallel.data_parallel.apply_data_parallel`), in that order,
   and returns the module. With `loss_parallel` the last stage leaves its logits sharded over the
   vocabulary (`Shard(-1)`, a DTensor); otherwise they are a plain replicated tensor.

@@ -2,7 +2,7 @@
 (tensorwise dynamic scaling, torchao.float8), as torchtitan's float8 converter does.
 
     check_float8(cfg.train.float8, device)            # ConfigError: no torchao, no float8 device
-    convert_blocks(stage, cfg.train.float8, tp=...)   # after init, before the model's parallelize
+    convert_blocks(stage, cfg.train.float8, tp=...)   # on the meta stage (or after init), before parallelize
     plan["layers.0.attn.wq"] = colwise_style(model, "layers.0.attn.wq")  # a family's TP plan
 
 Modes (`train.float8`): `false` (default: nothing changes), `true` (float8 matmuls on a GPU of CUDA
@@ -107,8 +107,8 @@ def has_float8(device: torch.device) -> bool:
 
 def convert_blocks(stage: nn.Module, value: object, *, tp: int) -> nn.Module:
     """Swap the blocks' linear layers of `stage` for torchao's `Float8Linear` (mode `true` or
-    `emulate`; `false`: `stage` as it is). Before the model's parallelize: TP and FSDP2 then
-    shard the converted layers (`colwise_style`, `rowwise_style`)."""
+    `emulate`; `false`: `stage` as it is), on the meta device or materialised. Before the model's
+    parallelize: TP and FSDP2 then shard the converted layers (`colwise_style`, `rowwise_style`)."""
     mode = float8_mode(value)
     if mode == "false":
         return stage

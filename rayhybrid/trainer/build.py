@@ -1,6 +1,6 @@
-"""What a rank trains with, built from the config: its pipeline stages (the model's spec, made on
-the meta device, materialised, initialised, parallelised), one optimizer per stage, the pipeline
-schedule over them, and the memory meter.
+"""What a rank trains with, built from the config: its pipeline stages (the model's spec, made and
+parallelised on the meta device, then this rank's shards materialised and initialised), one
+optimizer per stage, the pipeline schedule over them, and the memory meter.
 
     stages = build_stages(cfg, spec, layout, mesh, device, pp_rank=coord.pp, loss_parallel=...)
     loss = build_loss(cfg, spec, layout, stages)  # the last stage's output into the loss
@@ -11,6 +11,7 @@ schedule over them, and the memory meter.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,10 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from rayhybrid.config.schema import Config, TrainConfig
 from rayhybrid.config.topology import Layout
 from rayhybrid.errors import TESTED_TORCH
-from rayhybrid.models.layers import shared_parameters
 from rayhybrid.models.spec import ModelSpec
-from rayhybrid.parallel.compile import check_compile
+from rayhybrid.parallel.compile import check_compile, check_compiler
 from rayhybrid.parallel.float8 import check_float8, convert_blocks
+from rayhybrid.parallel.materialise import materialise
 from rayhybrid.parallel.mesh import data_parallel_mesh, split_dp
 from rayhybrid.storage.store import one_line
 from rayhybrid.trainer.loss import TokenLoss
@@ -50,9 +51,12 @@ def build_stages(
 ) -> Stages:
     """The pipeline stages pipeline rank `pp_rank` owns, each keeping the full model's parameter
     names. `train.float8` that cannot run on `device`, or `train.compile` with a schedule this
-    torch cannot run compiled: ConfigError before any is built."""
+    torch cannot run compiled or without inductor's C++ compiler on a CPU: ConfigError before
+    any is built (the blocks are compiled on the meta device, where no compiler is looked for)."""
     check_float8(cfg.train.float8, device)
     check_compile(cfg.train.compile, cfg.topology.schedule, cfg.topology.pp)
+    if cfg.train.compile:
+        check_compiler(device)
     mesh = split_dp(mesh, cfg.topology.shard_group)  # HSDP: dp as ("dp_replicate", "dp_shard"), once
     ranges, stages = layout.stage_layers, []
     for i in layout.stages_of(pp_rank):
@@ -76,8 +80,10 @@ def build_stage(
     loss_parallel: bool,
 ) -> torch.nn.Module:
     """One pipeline stage of the model its spec builds (full parameter names), made on the
-    meta device, materialised here, initialised, its blocks' linears made float8
-    (`train.float8`), then parallelised (TP, AC, compile, dp)."""
+    meta device, its blocks' linears made float8 (`train.float8`), parallelised there (TP, AC,
+    compile, dp), then materialised: this rank's shards only, each the slice of the stage's
+    `init_value` (rayhybrid/parallel/materialise.py). A stage without `init_value` (a model
+    written before it) is materialised whole, initialised (`init_weights`), then parallelised."""
     with torch.device("meta"):
         stage = spec.build_stage(
             cfg.model,
@@ -86,16 +92,8 @@ def build_stage(
             first=index == 0,
             last=index == num_stages - 1,
         )
-    tied = shared_parameters(stage)
-    stage.to_empty(device=device)  # a new tensor per name: ties (a shared output) undone
-    for name, source in tied:
-        owner, _, attr = name.rpartition(".")
-        setattr(stage.get_submodule(owner), attr, stage.get_parameter(source))
-    stage.init_weights(cfg.seed)
-    convert_blocks(stage, cfg.train.float8, tp=cfg.topology.tp)
-    mark("model_build")
-    return spec.parallelize(
-        stage,
+    parallelize = functools.partial(
+        spec.parallelize,
         tp_mesh=mesh["tp"],
         dp_mesh=data_parallel_mesh(mesh),  # 2-D (replicate, shard) with HSDP
         dp_shard=cfg.topology.shard_group > 1,
@@ -105,6 +103,20 @@ def build_stage(
         **({"compile": True} if cfg.train.compile else {}),  # only when on: a spec may not take it
         **({"offload_activations": True} if cfg.train.offload_activations else {}),
     )
+    init_value = getattr(stage, "init_value", None)
+    if not callable(init_value):
+        materialise(stage, device)  # the whole stage, empty
+        stage.init_weights(cfg.seed)
+        convert_blocks(stage, cfg.train.float8, tp=cfg.topology.tp)
+        mark("model_build")
+        return parallelize(stage)
+    convert_blocks(stage, cfg.train.float8, tp=cfg.topology.tp)
+    mark("model_build")
+    stage = parallelize(stage)
+    mark("parallelize")
+    materialise(stage, device, lambda name, shape: init_value(name, shape, cfg.seed))
+    mark("model_build")  # the materialised shards and their values count to the build
+    return stage
 
 
 def build_loss(cfg: Config, spec: ModelSpec, layout: Layout, stages: Stages) -> TokenLoss:

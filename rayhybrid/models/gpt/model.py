@@ -15,7 +15,10 @@ from torch import nn
 
 from rayhybrid.config.schema import ModelConfig
 from rayhybrid.models.gpt.counts import num_params  # noqa: F401  (its home before counts.py)
-from rayhybrid.models.layers import CheckpointedBlock, init_by_name
+from rayhybrid.models.layers import CheckpointedBlock, init_by_name, initial_value
+
+RESIDUAL = ("wo.weight", "w2.weight")
+"""The residual output projections, initialised smaller (GPT-2's 1/sqrt(2 x n_layers))."""
 
 
 class Attention(nn.Module):
@@ -99,8 +102,14 @@ class GPT(nn.Module):
                 x = self.output(x)
         return x
 
+    def init_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The whole initial value of parameter `name` (float32, CPU): from a generator seeded by
+        (seed, its full name), so the values do not depend on which stage or rank holds it and
+        every topology starts from the same model. Residual output projections get the GPT-2
+        1/sqrt(2L) scaling. The trainer keeps this rank's shard of it
+        (rayhybrid/parallel/materialise.py)."""
+        return initial_value(seed, name, shape, n_layers=self.cfg.n_layers, residual=RESIDUAL)
+
     def init_weights(self, seed: int) -> None:
-        """Every parameter from a generator seeded by (seed, its full name): the values do not
-        depend on which stage holds a parameter, so every topology starts from the same model.
-        Residual output projections get the GPT-2 1/sqrt(2L) scaling."""
-        init_by_name(self, seed, self.cfg.n_layers, residual=("wo.weight", "w2.weight"))
+        """Every parameter of a materialised stage set to its `init_value`."""
+        init_by_name(self, seed, self.cfg.n_layers, residual=RESIDUAL)

@@ -18,8 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayhybrid.config.schema import ModelConfig
-from rayhybrid.models.layers import CheckpointedBlock, init_by_name
+from rayhybrid.models.layers import CheckpointedBlock, init_by_name, initial_value
 from rayhybrid.models.llama3.settings import LlamaSettings, kv_dim, settings
+
+RESIDUAL = ("wo.weight", "w2.weight")
+"""The residual output projections, initialised smaller (GPT-2's 1/sqrt(2 x n_layers))."""
 
 
 def inverse_frequencies(cfg: ModelConfig, s: LlamaSettings) -> torch.Tensor:
@@ -162,9 +165,15 @@ class Llama(nn.Module):
                 x = self.output(x)
         return x
 
+    def init_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The whole initial value of parameter `name` (float32, CPU): from a generator seeded by
+        (seed, its full name), so every topology starts from the same model: normal(0, 0.02)
+        matrices and embeddings, the residual output projections (wo, w2) scaled by
+        1/sqrt(2 x n_layers), norms at one; a tied output's copy as the embedding. The trainer
+        keeps this rank's shard of it (rayhybrid/parallel/materialise.py)."""
+        name = self.tied_copies().get(name, name)
+        return initial_value(seed, name, shape, n_layers=self.cfg.n_layers, residual=RESIDUAL)
+
     def init_weights(self, seed: int) -> None:
-        """Every parameter from a generator seeded by (seed, its full name), so every topology
-        starts from the same model: normal(0, 0.02) matrices and embeddings, the residual output
-        projections (wo, w2) scaled by 1/sqrt(2 x n_layers), norms at one; a tied output's copy
-        as the embedding."""
-        init_by_name(self, seed, self.cfg.n_layers, residual=("wo.weight", "w2.weight"), aliases=self.tied_copies())
+        """Every parameter of a materialised stage set to its `init_value`."""
+        init_by_name(self, seed, self.cfg.n_layers, residual=RESIDUAL, aliases=self.tied_copies())
