@@ -237,6 +237,16 @@ def test_schedule_orders_are_torchs():
 # measured peak: within 0.1% for dp1, pp2 1f1b and gpipe, tp2 (float32 and bfloat16), dp2
 # replicate and pp2 interleaved 1F1B; the cases below with a wider tolerance say why.
 EXACT = 0.02
+
+PP2_VOCAB_2048 = [
+    "+topology=pp2",
+    "model.d_model=32",
+    "model.vocab_size=2048",
+    "data.seq_len=128",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+]
+
 MEMORY_CASES = [
     ("dp1", [], EXACT),
     ("pp2 1f1b", ["+topology=pp2"], EXACT),
@@ -252,18 +262,7 @@ MEMORY_CASES = [
     # A vocabulary large against the activations: the last stage peaks when torch's schedule
     # concatenates every micro-batch's logits after the last backward; one rank peaks in the
     # optimizer step (AdamW's temporaries).
-    (
-        "pp2 vocab 2048",
-        [
-            "+topology=pp2",
-            "model.d_model=32",
-            "model.vocab_size=2048",
-            "data.seq_len=128",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=8",
-        ],
-        EXACT,
-    ),
+    ("pp2 vocab 2048", PP2_VOCAB_2048, EXACT),
     (
         "dp1 vocab 4096",
         ["model.vocab_size=4096", "data.seq_len=16", "train.micro_batch_size=1", "train.global_batch_size=2"],
@@ -283,15 +282,7 @@ MEMORY_CASES = [
     ("dp1 vocab 4096 chunks", ["model.vocab_size=4096", "train.loss_chunk=64"], EXACT),
     (
         "pp2 vocab 2048 chunks",
-        [
-            "+topology=pp2",
-            "model.d_model=32",
-            "model.vocab_size=2048",
-            "data.seq_len=128",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=8",
-            "train.loss_chunk=64",
-        ],
+        [*PP2_VOCAB_2048, "train.loss_chunk=64"],
         EXACT,
     ),
     ("dp2 fsdp chunks", ["+topology=dp2", "topology.dp_shard=true", "train.loss_chunk=64"], EXACT),
