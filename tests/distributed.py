@@ -614,6 +614,8 @@ def loss_grads_eval_many(rank: int, cfgs: dict) -> dict[str, dict]:
     """For each labelled config: a fresh `Trainer`, one `forward_backward()` (its global loss and
     every parameter's full gradient, as `grads_many`), then `evaluate()` (the held-out loss)."""
     out = grads_many(rank, cfgs)
+    from torch.distributed.tensor import DTensor
+
     from rayhybrid.trainer.loop import Trainer
 
     for label, cfg in cfgs.items():
@@ -621,6 +623,13 @@ def loss_grads_eval_many(rank: int, cfgs: dict) -> dict[str, dict]:
         out[label]["loss"] = tr.global_loss(tr.forward_backward())
         out[label]["val_loss"] = tr.evaluate()
         out[label]["chunk"] = tr.loss.chunk  # the tokens per chunk the loss ran (0: whole logits)
+        # After evaluation, how many elements each output projection holds here (FSDP2: its
+        # shard when resharded, the whole matrix when left gathered).
+        out[label]["held_after_eval"] = [
+            (w.to_local() if isinstance(w, DTensor) else w).numel()
+            for _, module in tr.stages
+            if (w := getattr(getattr(module, "output", None), "weight", None)) is not None
+        ]
         del tr
     return out
 

@@ -1,7 +1,8 @@
 """train.loss_chunk: the output projection and cross-entropy over chunks of tokens
 (rayhybrid/trainer/loss.py) give the whole-logits loss and gradients, on one rank, under tensor
-parallelism's loss parallel, on the last stage of 1F1B and ZB-V pipelines, with a tied output;
-and the memory meter's peak drops by the logits' share."""
+parallelism's loss parallel, on the last stage of 1F1B and ZB-V pipelines, with a tied output,
+under FSDP2 and HSDP with gradient accumulation, with a biased output; and the memory meter's
+peak drops by the logits' share."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ CASES = {
     "pp2 zbv": ["topology.pp=2", "topology.schedule=zbv", "topology.stages_per_rank=2"],
     "dp2 replicate": ["+topology=dp2"],
     "dp2 fsdp": ["+topology=dp2", "topology.dp_shard=true"],
+    # Two micro-batches per replica: the loss gathers the root again for each (accumulation).
+    "dp2 fsdp 2mb": ["+topology=dp2", "topology.dp_shard=true", "train.global_batch_size=16"],
+    "dp4 hsdp 2mb": ["topology.dp=4", "topology.dp_shard=2", "train.global_batch_size=32"],
 }
 
 
@@ -62,12 +66,67 @@ def test_chunks_give_the_whole_logits_loss_and_gradients():
             compared |= set(whole["grads"])
             assert chunked["loss"] == pytest.approx(whole["loss"], rel=1e-6, abs=1e-6), label
             assert chunked["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-6, abs=1e-6), label
+            # Evaluation leaves the output sharded (FSDP2) or whole exactly as whole logits do.
+            assert chunked["held_after_eval"] == whole["held_after_eval"], label
             for name, grad in whole["grads"].items():
                 diff = (chunked["grads"][name] - grad).abs().max().item()
                 assert diff <= 1e-6, (label, name, diff)
         # The projection the loss runs: its own weight, or the embedding's it is tied to.
         assert {"output.weight", "tok_embeddings.weight"} & compared, label
         assert "output.weight" in compared or "tied" in label, label
+
+
+def test_a_biased_output_gets_its_gradient():
+    """An `output` with a bias: the loss, and the gradients to the hidden state, the weight and
+    the bias within 1e-6 of whole logits (the bias's is the sum of each chunk's)."""
+    from torch import nn
+
+    from rayhybrid.trainer.loss import chunked_cross_entropy
+
+    torch.manual_seed(0)
+    output = nn.Linear(8, 16, bias=True)
+    hidden, targets = torch.randn(2, 6, 8, requires_grad=True), torch.randint(0, 16, (2, 6))
+    got = []
+    for chunk in (0, 5):
+        output.zero_grad()
+        hidden.grad = None
+        if chunk:
+            loss = chunked_cross_entropy(output, hidden, targets, chunk, 12)
+        else:
+            logits = output(hidden).flatten(0, 1)
+            loss = torch.nn.functional.cross_entropy(logits, targets.flatten(), reduction="sum") / 12
+        loss.backward()
+        got.append([loss.detach(), hidden.grad, output.weight.grad, output.bias.grad])
+    whole, chunked = got
+    assert whole[3].norm() > 0.1
+    for a, b in zip(whole, chunked, strict=True):
+        assert (a - b).abs().max().item() <= 1e-6
+
+
+def test_an_output_with_other_parameters_is_refused():
+    """The chunked loss keeps gradients for `output`'s weight and bias only: an output with
+    another parameter is one line naming the setting, not silently untrained."""
+    import dataclasses
+
+    from torch import nn
+
+    from rayhybrid.models.registry import get_spec
+    from rayhybrid.trainer.loss import TokenLoss
+
+    class Scaled(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(8, 16)
+            self.scale = nn.Parameter(torch.ones(16))
+
+    stage = nn.Module()
+    stage.output, stage.return_hidden = Scaled(), False
+    spec = dataclasses.replace(get_spec(load_config(["model=llama3_debug"]).model), chunked_head=True)
+    kw = {"num_stages": 1, "chunk": 8, "micro_batch_tokens": 64, "replica_tokens": 64}
+    with pytest.raises(ConfigError, match=r"train\.loss_chunk.*scale.*train\.loss_chunk=0") as info:
+        TokenLoss(spec, [(0, stage)], **kw)
+    assert "\n" not in str(info.value)
+    del stage.output.scale
+    assert TokenLoss(spec, [(0, stage)], **kw).stage is stage  # weight and bias: accepted
 
 
 def test_a_bad_chunk_is_one_line_naming_the_setting():

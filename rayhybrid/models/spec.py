@@ -162,7 +162,8 @@ class ModelSpec:
     (train.loss_chunk), else on whole logits. A family's own loss always reads whole logits."""
     chunked_head: bool = False
     """The last stage's module has `output`, the linear projection to the vocabulary (its
-    `weight` the logits' matrix, tensor-parallel as the family's plan makes it), and a
+    `weight` the logits' matrix, tensor-parallel as the family's plan makes it; its only other
+    parameter, if any, `bias`: the chunked loss refuses any other), and a
     `return_hidden` attribute: set True (by the trainer, train.loss_chunk > 0), its forward
     returns the hidden state that `output` reads instead of logits, and the trainer's loss runs
     `output` over chunks of tokens (rayhybrid/trainer/loss.py). False: the last stage always

@@ -9,7 +9,7 @@ In chunks, the last stage returns its final (normalised) hidden state instead of
 with `chunked_head`, its module's `return_hidden` set here) and the loss runs the stage's
 `output` projection itself, `chunk` tokens at a time: no float32 logits of the whole
 micro-batch exist, forward or backward. Training, each chunk's logits, cross-entropy and their
-gradients (to the hidden state and to the output weight) are made in the forward
+gradients (to the hidden state and to the output's weight and bias, if any) are made in the forward
 (`ChunkedCrossEntropy`), and only the two gradients are kept for backward: one chunk's logits
 and their gradient at a time, no recomputation, and the backward is one autograd node whose
 gradient to the weight a zero-bubble schedule's weight pass reads again
@@ -23,8 +23,11 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from rayhybrid.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -41,53 +44,72 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+def _scaled(g: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A kept gradient times the loss's gradient; a DTensor stays one, with its placements."""
+    if isinstance(g, DTensor):
+        return DTensor.from_local(g.to_local() * grad, g.device_mesh, g.placements, run_check=False)
+    return g * grad
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """The summed token cross-entropy of `output(hidden)` over `divisor`, `chunk` rows at a time.
-    The forward makes each chunk's gradients to `hidden` and to `weight` (the output's, passed
-    in so that autograd links it), adds them up and keeps them; backward multiplies them by the
-    loss's gradient. Works on a tensor-parallel output (DTensor weight, loss parallel)."""
+    The forward makes each chunk's gradients to `hidden` and to `weight` and `bias` (the
+    output's, passed in so that autograd links them; `bias` may be None), adds them up and
+    keeps them; backward multiplies them by the loss's gradient. Works on a tensor-parallel
+    output (DTensor weight, loss parallel)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, output, chunk, divisor):
-        total, grad_weight, grad_hidden = None, None, torch.empty_like(hidden)
+    def forward(ctx, hidden, weight, bias, targets, output, chunk, divisor):
+        params = [p for p in (weight, bias) if p is not None and p.requires_grad]
+        total, sums, grad_hidden = None, [None] * len(params), torch.empty_like(hidden)
         with torch.enable_grad():
             for start in range(0, hidden.shape[0], chunk):
                 rows = hidden[start : start + chunk].detach().requires_grad_()
                 loss = _chunk_loss(output, rows, targets[start : start + chunk], divisor)
-                g_rows, g_weight = torch.autograd.grad(loss, (rows, weight))
+                g_rows, *g_params = torch.autograd.grad(loss, (rows, *params))
                 grad_hidden[start : start + chunk] = g_rows
-                grad_weight = g_weight if grad_weight is None else grad_weight.add_(g_weight)
+                sums = [g if s is None else s.add_(g) for s, g in zip(sums, g_params, strict=True)]
                 loss = _plain(loss.detach())
                 total = loss if total is None else total + loss
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, *sums)
+        ctx.which = [p is not None and p.requires_grad for p in (weight, bias)]
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if isinstance(grad_weight, DTensor):
-            grad_weight = DTensor.from_local(
-                grad_weight.to_local() * grad, grad_weight.device_mesh, grad_weight.placements, run_check=False
-            )
-        else:
-            grad_weight = grad_weight * grad
-        return grad_hidden * grad, grad_weight, None, None, None, None
+        grad_hidden, *sums = ctx.saved_tensors
+        kept = iter(_scaled(g, grad) for g in sums)
+        grad_weight, grad_bias = (next(kept) if has else None for has in ctx.which)
+        return grad_hidden * grad, grad_weight, grad_bias, None, None, None, None
 
 
 def chunked_cross_entropy(
     output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, divisor: int
 ) -> torch.Tensor:
     """The summed token cross-entropy of `output(hidden)` over `chunk` tokens at a time,
-    divided by `divisor`; `hidden` (batch, seq, d) or (tokens, d), `targets` the matching token ids."""
+    divided by `divisor`; `hidden` (batch, seq, d) or (tokens, d), `targets` the matching token
+    ids. `output` is a linear projection: its parameters `weight` and, optionally, `bias`."""
     hidden, targets = hidden.flatten(0, -2), targets.flatten()
-    weight = output.weight
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return ChunkedCrossEntropy.apply(hidden, weight, targets, output, chunk, divisor)
+    weight, bias = output.weight, getattr(output, "bias", None)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        return ChunkedCrossEntropy.apply(hidden, weight, bias, targets, output, chunk, divisor)
     losses = [
         _plain(_chunk_loss(output, hidden[i : i + chunk], targets[i : i + chunk], divisor))
         for i in range(0, hidden.shape[0], chunk)
     ]
     return torch.stack(losses).sum()
+
+
+def _check_projection(model: str, output: nn.Module) -> None:
+    """The chunked loss runs `output` as a linear projection and keeps gradients for its
+    `weight` and `bias` only: any other parameter would get none, so it is refused."""
+    others = sorted({name for name, _ in output.named_parameters()} - {"weight", "bias"})
+    if others:
+        raise ConfigError(
+            "train.loss_chunk",
+            f"model {model}'s output has parameters besides weight and bias ({', '.join(others)}), "
+            "which the chunked loss cannot train; set train.loss_chunk=0",
+        )
 
 
 class TokenLoss:
@@ -116,6 +138,7 @@ class TokenLoss:
             if index == num_stages - 1:
                 module.return_hidden = True
                 self.stage = module
+                _check_projection(spec.name, module.output)
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.spec.loss is not None:
@@ -126,6 +149,12 @@ class TokenLoss:
                 # gathered again for the loss, and kept for the backward that follows, which
                 # starts with them (a no-op where they are whole: pipelines, replicate).
                 self.stage.unshard()
-            return chunked_cross_entropy(self.stage.output, output, targets, self.chunk, self.replica_tokens)
+            loss = chunked_cross_entropy(self.stage.output, output, targets, self.chunk, self.replica_tokens)
+            sharded = isinstance(self.stage, FSDPModule) and not isinstance(self.stage, ReplicateModule)
+            if sharded and not torch.is_grad_enabled():
+                # Evaluation: no backward follows to reshard them; sharded again, as FSDP2
+                # leaves them after a forward (replicate keeps them whole).
+                self.stage.reshard()
+            return loss
         loss = F.cross_entropy(output.flatten(0, 1).float(), targets.flatten(), reduction="sum")
         return loss / self.replica_tokens
