@@ -8,6 +8,7 @@ the planner's peak stays within 3% of the meter's."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -64,6 +65,34 @@ def test_each_block_sends_its_activations_and_gets_them_back_on_its_device(monke
     assert off.moved == [4 * (b * d + 2 * b * h)] * 3
     assert off.returned == off.moved
     assert devices and set(devices) == {torch.device("cpu")}
+
+
+def test_a_zero_bubble_input_pass_keeps_no_copy_back_until_the_weight_pass(monkeypatch):
+    # torch's zero-bubble schedules run a stage's backward in two passes, inputs' (I) then
+    # weights' (W), with other micro-batches' work between: the copies brought back for I must
+    # not stay on the device until W, which fetches again.
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    def passes(blocks, x):
+        loss = functools.reduce(lambda y, block: block(y), blocks, x).square().sum()
+        (grad_x,), groups = stage_backward_input([loss], None, [x], blocks.parameters())
+        return grad_x, groups
+
+    x = torch.randn(16, 32)
+    plain, moved = _blocks(), _blocks()
+    want_x, groups = passes(plain, x.clone().requires_grad_())
+    stage_backward_weight(plain.parameters(), groups)
+    off = offload.offload_blocks(list(moved))
+    storages = []
+    to_host = off._to_host
+    monkeypatch.setattr(off, "_to_host", lambda *a: storages.append(to_host(*a)) or storages[-1])
+    got_x, groups = passes(moved, x.clone().requires_grad_())
+    assert storages and all(s.back is None for s in storages)  # nothing brought back is kept after I
+    assert off.returned == off.moved
+    stage_backward_weight(moved.parameters(), groups)
+    assert all(r > m for r, m in zip(off.returned, off.moved))  # W fetched its inputs again
+    assert torch.equal(got_x, want_x)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), moved.parameters()))
 
 
 def test_no_grad_forwards_and_small_tensors_stay():
