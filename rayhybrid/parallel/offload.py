@@ -28,8 +28,9 @@ pack hook copies whole storages (what the saved tensors keep alive) and the unpa
 each view again over the storage brought back, which it lets go of once every saved view has
 been unpacked (what autograd's consumers hold keeps the memory as long as they need it): a
 zero-bubble schedule's weight pass, which unpacks again after the input pass, fetches again
-(on CUDA a second copy) rather than the device keeping the copy in between. `BlockOffload.moved` counts the bytes each block
-sent to the host (tests compare them with the planner's count), `returned` what came back.
+(on CUDA a second copy) rather than the device keeping the copy in between.
+`BlockOffload.moved` counts the bytes each block sent to the host (tests compare them with the
+planner's count), `returned` what came back.
 """
 
 from __future__ import annotations
