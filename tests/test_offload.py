@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -240,3 +242,32 @@ def test_offload_keeps_the_weights_and_their_autocast_copies_out():
     # The bfloat16 inputs of the linears and of the GELU: (b x d + 2 b x h) x 2 bytes; the
     # weights' bfloat16 copies (autocast's cache) stay.
     assert off.moved == [2 * (16 * 32 + 2 * 16 * 64)] * 3
+
+
+def test_a_run_whose_offload_is_planned_over_the_hosts_memory_stops_in_one_line(monkeypatch, tmp_path):
+    from rayhybrid.api import check_run_host_memory
+    from rayhybrid.plan import dry_run
+
+    shape = ["model=llama3.2_1b", "data.seq_len=2048", "train.dtype=bfloat16", "cluster.use_gpu=true"]
+    batch = ["train.micro_batch_size=24", "train.global_batch_size=48", "train.offload_activations=true"]
+    monkeypatch.setattr(dry_run, "host_ram_mb", lambda: 128 * 1024.0)  # an H200 node's 128 GiB
+    one = load_config([*shape, *batch])
+    per_rank = dry_run.host_memory_mb(one, cuda=True)
+    assert 64 * 1024 < per_rank < 128 * 1024
+    check_run_host_memory(one)  # one rank's fits
+    with pytest.raises(ConfigError) as err:  # two ranks on the node do not
+        check_run_host_memory(load_config([*shape, *batch, "+topology=dp2"]))
+    line = str(err.value)
+    assert line.startswith("train.offload_activations:") and "train.micro_batch_size=24" in line
+    assert "train.activation_checkpointing=true" in line and "\n" not in line
+    check_run_host_memory(load_config([*shape, *batch, "+topology=dp2", "train.activation_checkpointing=true"]))
+    # The command line stops before Ray starts, exit 2 (micro-batch 128: 440 GB of host memory a rank).
+    big = ["train.micro_batch_size=128", "train.global_batch_size=128", "train.offload_activations=true"]
+    done = subprocess.run(
+        [sys.executable, "-m", "rayhybrid", *shape, *big, f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and "train.offload_activations:" in done.stderr, done.stderr[-2000:]

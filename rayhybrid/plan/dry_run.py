@@ -97,6 +97,36 @@ def _memory(cfg: Config, topo: Topology, cuda: bool) -> dict:
     }
 
 
+def host_memory_mb(cfg: Config, cuda: bool) -> float:
+    """train.offload_activations: the most host memory one rank's offloaded activations take
+    (MB, the busiest pipeline rank's); 0 without offload or without the model's memory model."""
+    if not cfg.train.offload_activations or not est.has_memory_model(cfg):
+        return 0.0
+    return max(rank_memory(cfg, r, cuda=cuda).host_activations for r in range(cfg.topology.pp)) / MB
+
+
+def host_ram_mb() -> float:
+    """This machine's physical memory (MB)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MB
+
+
+def check_host_memory(cfg: Config, host_mb: float, ranks_per_node: int, cuda: bool) -> None:
+    """One ConfigError line when the offloaded activations of `ranks_per_node` ranks (each the
+    busiest rank's) are planned over a node's `host_mb` of host memory."""
+    per_rank = host_memory_mb(cfg, cuda)
+    if per_rank * ranks_per_node <= host_mb:
+        return
+    raise ConfigError(
+        "train.offload_activations",
+        f"the offloaded activations are planned at {per_rank:,.0f} MB of host memory per rank x {ranks_per_node} "
+        f"rank(s) per node at train.micro_batch_size={cfg.train.micro_batch_size}, over the node's "
+        f"{host_mb:,.0f} MB; lower train.micro_batch_size, set train.activation_checkpointing=true "
+        "(it offloads only each block's input) or train.offload_activations=false",
+    )
+
+
 def _bubble(cfg: Config) -> dict:
     t = cfg.topology
     m, v = est._microbatches(cfg), Layout.of(cfg).virtual_stages
