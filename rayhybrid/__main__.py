@@ -47,8 +47,8 @@ job of a sweep starts its own when it begins."""
 def task(node) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from rayhybrid.api import check_run_host_memory
     from rayhybrid.driver.controller import Controller
+    from rayhybrid.plan.dry_run import check_run_host_memory
     from rayhybrid.preflight import check, scrub_run_files, to_run_config
 
     with exit_codes("rayhybrid"):

@@ -22,6 +22,7 @@ def train(overrides: Sequence[str] = (), *, run_dir: str | Path | None = None) -
     from omegaconf import OmegaConf
 
     from rayhybrid.driver.controller import Controller
+    from rayhybrid.plan.dry_run import check_run_host_memory
 
     overrides = list(overrides)
     cfg = load_run(overrides, run_dir)
@@ -33,16 +34,3 @@ def train(overrides: Sequence[str] = (), *, run_dir: str | Path | None = None) -
     scrub_run_files(hydra_dir, cfg)
     ensure_logging()
     return Controller(cfg).run()
-
-
-def check_run_host_memory(cfg) -> None:
-    """train.offload_activations: a run whose offloaded activations are planned over this host's
-    memory stops before Ray starts (one ConfigError line). A local Ray (no cluster.address nor
-    RAY_ADDRESS) puts every rank on this machine; a cluster it joins has at least one per node."""
-    import os
-
-    from rayhybrid.plan.dry_run import check_host_memory, host_ram_mb, plan_device
-
-    local = not (cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
-    ranks = cfg.topology.dp * cfg.topology.pp * cfg.topology.tp if local else 1
-    check_host_memory(cfg, host_ram_mb(), ranks, cuda=plan_device(cfg) == "cuda")

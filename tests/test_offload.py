@@ -245,7 +245,6 @@ def test_offload_keeps_the_weights_and_their_autocast_copies_out():
 
 
 def test_a_run_whose_offload_is_planned_over_the_hosts_memory_stops_in_one_line(monkeypatch, tmp_path):
-    from rayhybrid.api import check_run_host_memory
     from rayhybrid.plan import dry_run
 
     shape = ["model=llama3.2_1b", "data.seq_len=2048", "train.dtype=bfloat16", "cluster.use_gpu=true"]
@@ -254,13 +253,13 @@ def test_a_run_whose_offload_is_planned_over_the_hosts_memory_stops_in_one_line(
     one = load_config([*shape, *batch])
     per_rank = dry_run.host_memory_mb(one, cuda=True)
     assert 64 * 1024 < per_rank < 128 * 1024
-    check_run_host_memory(one)  # one rank's fits
+    dry_run.check_run_host_memory(one)  # one rank's fits
     with pytest.raises(ConfigError) as err:  # two ranks on the node do not
-        check_run_host_memory(load_config([*shape, *batch, "+topology=dp2"]))
+        dry_run.check_run_host_memory(load_config([*shape, *batch, "+topology=dp2"]))
     line = str(err.value)
     assert line.startswith("train.offload_activations:") and "train.micro_batch_size=24" in line
     assert "train.activation_checkpointing=true" in line and "\n" not in line
-    check_run_host_memory(load_config([*shape, *batch, "+topology=dp2", "train.activation_checkpointing=true"]))
+    dry_run.check_run_host_memory(load_config([*shape, *batch, "+topology=dp2", "train.activation_checkpointing=true"]))
     # The command line stops before Ray starts, exit 2 (micro-batch 128: 440 GB of host memory a rank).
     big = ["train.micro_batch_size=128", "train.global_batch_size=128", "train.offload_activations=true"]
     done = subprocess.run(

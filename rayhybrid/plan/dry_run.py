@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout, Topology, describe_data_parallel
 from rayhybrid.errors import ConfigError
@@ -107,8 +109,6 @@ def host_memory_mb(cfg: Config, cuda: bool) -> float:
 
 def host_ram_mb() -> float:
     """This machine's physical memory (MB)."""
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MB
 
 
@@ -125,6 +125,15 @@ def check_host_memory(cfg: Config, host_mb: float, ranks_per_node: int, cuda: bo
         f"{host_mb:,.0f} MB; lower train.micro_batch_size, set train.activation_checkpointing=true "
         "(it offloads only each block's input) or train.offload_activations=false",
     )
+
+
+def check_run_host_memory(cfg: Config) -> None:
+    """train.offload_activations: a run whose offloaded activations are planned over this host's
+    memory stops before Ray starts (one ConfigError line). A local Ray (no cluster.address nor
+    RAY_ADDRESS) puts every rank on this machine; a cluster it joins has at least one per node."""
+    local = not (cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
+    ranks = cfg.topology.dp * cfg.topology.pp * cfg.topology.tp if local else 1
+    check_host_memory(cfg, host_ram_mb(), ranks, cuda=plan_device(cfg) == "cuda")
 
 
 def _bubble(cfg: Config) -> dict:
