@@ -613,3 +613,26 @@ def test_a_trial_that_runs_the_host_out_of_memory_is_a_miss():
         assert trials.out_of_memory(message), message
     assert not trials.out_of_memory("RuntimeError: shape mismatch")
     assert not trials.out_of_memory("ValueError: the memory budget is not a number")
+
+
+def test_the_layout_search_takes_a_nodes_host_memory_from_ray(monkeypatch):
+    """search_plan reads a node's host memory from Ray (the least `memory` resource of a node
+    with the trials' device): a node too small for the offload twin's host share drops it."""
+    from rayhybrid.cluster import connect
+    from rayhybrid.cluster.placement import ReplicaShape
+    from rayhybrid.tune import run
+
+    cfg = to_config(compose(["train.global_batch_size=16", "train.micro_batch_size=16", "tune.search=layout"]))
+    moved = Point(16, 1, False, (1, 1, 1, "1f1b", 1, False), True)
+    with_it = space.planned_peak_mb(space.trial_config(cfg, moved.as_config("")), cuda=True)
+    without = space.planned_peak_mb(
+        space.trial_config(cfg, dataclasses.replace(moved, offload_activations=False).as_config("")), cuda=True
+    )
+    budget = (with_it + without) / 2 / 0.99
+    host = host_memory_mb(space.trial_config(cfg, moved.as_config("")), cuda=True) * 2**20
+    shape = ReplicaShape(1, 1, True, 1.0)
+    for memory, kept in ((host, True), (host * 0.99, False)):
+        nodes = [{"Resources": {"GPU": 1.0, "memory": memory}}, {"Resources": {"CPU": 4.0, "memory": 1.0}}]
+        monkeypatch.setattr(connect, "alive_nodes", lambda nodes=nodes: nodes)
+        plan = run.search_plan(cfg, shape, budget)
+        assert (moved in plan.fitting) is kept, memory
