@@ -48,6 +48,7 @@ def task(node) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from rayhybrid.driver.controller import Controller
+    from rayhybrid.plan.dry_run import check_run_host_memory
     from rayhybrid.preflight import check, scrub_run_files, to_run_config
 
     with exit_codes("rayhybrid"):
@@ -58,6 +59,7 @@ def task(node) -> None:
             scrub_run_files(Path(cfg.run_dir) / hydra.output_subdir, cfg)
         if composed not in CHECKED:  # a config main could not check first (Hydra's own flags or sweeper)
             check(cfg)
+        check_run_host_memory(cfg)
         summary = Controller(cfg, started=STARTED.pop() if STARTED else None).run()
     if summary["status"] == "interrupted":  # SIGTERM: stopped after a final checkpoint
         sys.exit(130)

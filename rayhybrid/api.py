@@ -22,9 +22,11 @@ def train(overrides: Sequence[str] = (), *, run_dir: str | Path | None = None) -
     from omegaconf import OmegaConf
 
     from rayhybrid.driver.controller import Controller
+    from rayhybrid.plan.dry_run import check_run_host_memory
 
     overrides = list(overrides)
     cfg = load_run(overrides, run_dir)
+    check_run_host_memory(cfg)
     hydra_dir = Path(cfg.run_dir) / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), hydra_dir / "config.yaml")

@@ -176,3 +176,13 @@ def test_config_error_pickles():
 
     err = pickle.loads(pickle.dumps(ConfigError("topology.tp", "bad")))
     assert (err.setting, str(err)) == ("topology.tp", "topology.tp: bad")
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "on", "0", "true,1"])
+def test_a_bool_setting_takes_only_true_or_false(value):
+    # OmegaConf would read 2, yes, on as true (and 0 as false) and start the run.
+    with pytest.raises(ConfigError) as err:
+        load_config([f"train.offload_activations={value}"])
+    assert str(err.value).startswith("train.offload_activations:") and "true or false" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert load_config(["train.offload_activations=True"]).train.offload_activations is True

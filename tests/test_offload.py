@@ -8,6 +8,9 @@ the planner's peak stays within 3% of the meter's."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -64,6 +67,34 @@ def test_each_block_sends_its_activations_and_gets_them_back_on_its_device(monke
     assert off.moved == [4 * (b * d + 2 * b * h)] * 3
     assert off.returned == off.moved
     assert devices and set(devices) == {torch.device("cpu")}
+
+
+def test_a_zero_bubble_input_pass_keeps_no_copy_back_until_the_weight_pass(monkeypatch):
+    # torch's zero-bubble schedules run a stage's backward in two passes, inputs' (I) then
+    # weights' (W), with other micro-batches' work between: the copies brought back for I must
+    # not stay on the device until W, which fetches again.
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    def passes(blocks, x):
+        loss = functools.reduce(lambda y, block: block(y), blocks, x).square().sum()
+        (grad_x,), groups = stage_backward_input([loss], None, [x], blocks.parameters())
+        return grad_x, groups
+
+    x = torch.randn(16, 32)
+    plain, moved = _blocks(), _blocks()
+    want_x, groups = passes(plain, x.clone().requires_grad_())
+    stage_backward_weight(plain.parameters(), groups)
+    off = offload.offload_blocks(list(moved))
+    storages = []
+    to_host = off._to_host
+    monkeypatch.setattr(off, "_to_host", lambda *a: storages.append(to_host(*a)) or storages[-1])
+    got_x, groups = passes(moved, x.clone().requires_grad_())
+    assert storages and all(s.back is None for s in storages)  # nothing brought back is kept after I
+    assert off.returned == off.moved
+    stage_backward_weight(moved.parameters(), groups)
+    assert all(r > m for r, m in zip(off.returned, off.moved))  # W fetched its inputs again
+    assert torch.equal(got_x, want_x)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), moved.parameters()))
 
 
 def test_no_grad_forwards_and_small_tensors_stay():
@@ -160,7 +191,7 @@ def test_the_device_plan_drops_the_blocks_activations_and_shows_host_memory():
     cfg = load_config(["model.name=llama3", "train.micro_batch_size=4"])
     on = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, offload_activations=True))
     plain, moved = rank_memory(cfg, 0, cuda=True), rank_memory(on, 0, cuda=True)
-    per_block = cfg.train.micro_batch_size * block_bytes(cfg)
+    per_block = cfg.train.micro_batch_size * block_bytes(cfg, device="cuda")  # what CUDA's kernels save
     assert plain.host_activations == 0 and moved.host_activations == cfg.model.n_layers * per_block
     # The device keeps two blocks' worth in flight (computing, copying) instead of them all.
     assert moved.total < plain.total
@@ -169,6 +200,27 @@ def test_the_device_plan_drops_the_blocks_activations_and_shows_host_memory():
     # block's forward holds its saved tensors beside their copies.
     cpu_on, cpu_off = rank_memory(on, 0).total, rank_memory(cfg, 0).total
     assert cpu_off <= cpu_on <= cpu_off + per_block
+
+
+def test_the_device_plan_removes_what_cuda_saves_and_never_goes_negative():
+    # CUDA's kernels save less per block than the CPU's count: the offload removes the device's
+    # count from the device (the CPU count took llama3.2 1B at micro-batch 128 to -60 GB).
+    base = ["model=llama3.2_1b", "data.seq_len=2048", "train.dtype=bfloat16"]
+    for b, pp in ((2, None), (128, None), (24, "pp2")):
+        batch = [
+            f"train.micro_batch_size={b}",
+            f"train.global_batch_size={4 * b}",
+            *([f"+topology={pp}"] if pp else []),
+        ]
+        cfg = load_config([*base, *batch])
+        on = load_config([*base, *batch, "train.offload_activations=true"])
+        for rank in range(cfg.topology.pp):
+            plain, moved = rank_memory(cfg, rank, cuda=True), rank_memory(on, rank, cuda=True)
+            assert moved.activations >= 0, (b, pp, rank, moved.activations)
+            layers = cfg.model.n_layers // cfg.topology.pp
+            assert moved.host_activations >= layers * b * block_bytes(cfg, device="cuda")
+        if pp is None:  # one micro-batch in flight: exactly its blocks' saved bytes leave the device
+            assert plain.saved_peak - moved.saved_peak == cfg.model.n_layers * b * block_bytes(cfg, device="cuda")
 
 
 def test_a_setting_that_is_not_a_bool_is_refused_in_one_line():
@@ -190,3 +242,31 @@ def test_offload_keeps_the_weights_and_their_autocast_copies_out():
     # The bfloat16 inputs of the linears and of the GELU: (b x d + 2 b x h) x 2 bytes; the
     # weights' bfloat16 copies (autocast's cache) stay.
     assert off.moved == [2 * (16 * 32 + 2 * 16 * 64)] * 3
+
+
+def test_a_run_whose_offload_is_planned_over_the_hosts_memory_stops_in_one_line(monkeypatch, tmp_path):
+    from rayhybrid.plan import dry_run
+
+    shape = ["model=llama3.2_1b", "data.seq_len=2048", "train.dtype=bfloat16", "cluster.use_gpu=true"]
+    batch = ["train.micro_batch_size=24", "train.global_batch_size=48", "train.offload_activations=true"]
+    monkeypatch.setattr(dry_run, "host_ram_mb", lambda: 128 * 1024.0)  # an H200 node's 128 GiB
+    one = load_config([*shape, *batch])
+    per_rank = dry_run.host_memory_mb(one, cuda=True)
+    assert 64 * 1024 < per_rank < 128 * 1024
+    dry_run.check_run_host_memory(one)  # one rank's fits
+    with pytest.raises(ConfigError) as err:  # two ranks on the node do not
+        dry_run.check_run_host_memory(load_config([*shape, *batch, "+topology=dp2"]))
+    line = str(err.value)
+    assert line.startswith("train.offload_activations:") and "train.micro_batch_size=24" in line
+    assert "train.activation_checkpointing=true" in line and "\n" not in line
+    dry_run.check_run_host_memory(load_config([*shape, *batch, "+topology=dp2", "train.activation_checkpointing=true"]))
+    # The command line stops before Ray starts, exit 2 (micro-batch 128: 440 GB of host memory a rank).
+    big = ["train.micro_batch_size=128", "train.global_batch_size=128", "train.offload_activations=true"]
+    done = subprocess.run(
+        [sys.executable, "-m", "rayhybrid", *shape, *big, f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and "train.offload_activations:" in done.stderr, done.stderr[-2000:]

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import ClassVar
 
 import pytest
 
 from rayhybrid.config.compose import compose, to_config
+from rayhybrid.plan.dry_run import host_memory_mb
 from rayhybrid.tune import report, space, trials
 from rayhybrid.tune.layout import STAGES_PER_RANK, LayoutPlan, factorizations, shard_options
 from rayhybrid.tune.microbatch import SLACK, TunePlan
@@ -574,3 +576,63 @@ def test_offload_is_a_candidate_where_nothing_else_fits_on_cuda():
     )
     cpu = LayoutPlan(cfg, 1, 1, 16, budget, activation_checkpointing=(False,))
     assert not any(p.offload_activations for p in cpu.planned)
+
+
+def test_offload_over_a_nodes_host_memory_fits_no_budget():
+    """train.offload_activations' host share (per rank x ranks per node) must fit the node's
+    host memory: a point over it is no candidate of the layout search, nor a size of the
+    micro-batch search's, however much device memory it frees."""
+    cfg = to_config(compose(["train.global_batch_size=16", "train.micro_batch_size=16"]))
+    moved = Point(16, 1, False, (1, 1, 1, "1f1b", 1, False), True)
+    moved_cfg = space.trial_config(cfg, moved.as_config(""))
+    host = host_memory_mb(moved_cfg, cuda=True)
+    with_it = space.planned_peak_mb(moved_cfg, cuda=True)
+    assert host > 0 and space.planned_peak_mb(moved_cfg, cuda=True, host=(host, 1)) == with_it
+    assert space.planned_peak_mb(moved_cfg, cuda=True, host=(host * 1.5, 2)) == math.inf  # two ranks a node
+    without = space.planned_peak_mb(
+        space.trial_config(cfg, dataclasses.replace(moved, offload_activations=False).as_config("")), cuda=True
+    )
+    budget = (with_it + without) / 2 / 0.99
+    roomy = LayoutPlan(cfg, 1, 1, 16, budget, activation_checkpointing=(False,), cuda=True, host_mb=host)
+    tight = LayoutPlan(cfg, 1, 1, 16, budget, activation_checkpointing=(False,), cuda=True, host_mb=host * 0.99)
+    assert moved in roomy.fitting and moved not in tight.fitting
+    on = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, offload_activations=True))
+    point_of = lambda m: {"micro_batch_size": m, "num_microbatches": 16 // m, "activation_checkpointing": False}
+    assert space.largest_planned(on, point_of, budget, sizes=[1, 2, 4, 8, 16], cuda=True) == 16
+    assert space.largest_planned(on, point_of, budget, sizes=[1, 2, 4, 8, 16], cuda=True, host=(host * 0.99, 1)) == 8
+
+
+def test_a_trial_that_runs_the_host_out_of_memory_is_a_miss():
+    for message in (
+        "RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory",
+        "OSError: [Errno 12] Cannot allocate memory",
+        "ray.exceptions.ActorDiedError: Task was killed due to the node running low on memory.",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    ):
+        assert trials.out_of_memory(message), message
+    assert not trials.out_of_memory("RuntimeError: shape mismatch")
+    assert not trials.out_of_memory("ValueError: the memory budget is not a number")
+
+
+def test_the_layout_search_takes_a_nodes_host_memory_from_ray(monkeypatch):
+    """search_plan reads a node's host memory from Ray (the least `memory` resource of a node
+    with the trials' device): a node too small for the offload twin's host share drops it."""
+    from rayhybrid.cluster import connect
+    from rayhybrid.cluster.placement import ReplicaShape
+    from rayhybrid.tune import run
+
+    cfg = to_config(compose(["train.global_batch_size=16", "train.micro_batch_size=16", "tune.search=layout"]))
+    moved = Point(16, 1, False, (1, 1, 1, "1f1b", 1, False), True)
+    with_it = space.planned_peak_mb(space.trial_config(cfg, moved.as_config("")), cuda=True)
+    without = space.planned_peak_mb(
+        space.trial_config(cfg, dataclasses.replace(moved, offload_activations=False).as_config("")), cuda=True
+    )
+    budget = (with_it + without) / 2 / 0.99
+    host = host_memory_mb(space.trial_config(cfg, moved.as_config("")), cuda=True) * 2**20
+    shape = ReplicaShape(1, 1, True, 1.0)
+    for memory, kept in ((host, True), (host * 0.99, False)):
+        nodes = [{"Resources": {"GPU": 1.0, "memory": memory}}, {"Resources": {"CPU": 4.0, "memory": 1.0}}]
+        monkeypatch.setattr(connect, "alive_nodes", lambda nodes=nodes: nodes)
+        plan = run.search_plan(cfg, shape, budget)
+        assert (moved in plan.fitting) is kept, memory

@@ -78,6 +78,26 @@ def _family_setting(key: str) -> None:
         )
 
 
+@functools.cache
+def _bool_settings() -> frozenset[str]:
+    """The schema's settings typed `bool` (`train.offload_activations`, ...), by dotted name."""
+    import typing
+
+    out = set()
+    for section in dataclasses.fields(Config):
+        hints = typing.get_type_hints(typing.get_type_hints(Config)[section.name])
+        out.update(f"{section.name}.{name}" for name, hint in hints.items() if hint is bool)
+    return frozenset(out)
+
+
+def _strict_bool(key: str, value: str) -> None:
+    """A bool setting takes `true` or `false` only: OmegaConf would read `2`, `yes` or `on` as
+    true and start the run. A sweep's values (`true,false`, `choice(true,false)`) each."""
+    values = re.sub(r"^\s*choice\((.*)\)\s*$", r"\1", value).split(",")
+    if key.lstrip("+~") in _bool_settings() and any(v.strip().lower() not in ("true", "false") for v in values):
+        raise ConfigError(key.lstrip("+~"), f"{value!r} is not a valid bool; use true or false")
+
+
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     """`topology=dp2` -> `+topology=dp2` (topology is not in the defaults list), and
     `checkpoint.storage_options.K=V` -> `++...` (free-form keys: added or replaced). A model
@@ -87,6 +107,7 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
         key = item.split("=", 1)[0]
         if "=" in item:
             _family_setting(key)
+            _strict_bool(key, item.split("=", 1)[1])
         if key in OPTIONAL_GROUPS and "=" in item:
             item = "+" + item
         elif (key.startswith(FREE_FORM) or f"{key}." in FREE_FORM) and "=" in item:

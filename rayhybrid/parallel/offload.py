@@ -25,8 +25,12 @@ host tensor itself in backward), so losses are bit for bit those without offload
 
 Several saved views of one storage (the input that q, k and v read, ...) send it once: the
 pack hook copies whole storages (what the saved tensors keep alive) and the unpack hook makes
-each view again over the storage brought back. `BlockOffload.moved` counts the bytes each block
-sent to the host (tests compare them with the planner's count).
+each view again over the storage brought back, which it lets go of once every saved view has
+been unpacked (what autograd's consumers hold keeps the memory as long as they need it): a
+zero-bubble schedule's weight pass, which unpacks again after the input pass, fetches again
+(on CUDA a second copy) rather than the device keeping the copy in between.
+`BlockOffload.moved` counts the bytes each block sent to the host (tests compare them with the
+planner's count), `returned` what came back.
 """
 
 from __future__ import annotations
@@ -104,8 +108,10 @@ class _Storage:
     device: torch.device
     block: _Block
     copied: torch.cuda.Event | None = None  # the copy to the host is done
-    back: torch.Tensor | None = None  # on the device again (kept while autograd holds a view)
+    back: torch.Tensor | None = None  # on the device again, until each saved view has been unpacked
     arrived: torch.cuda.Event | None = None
+    views: int = 0  # the saved views of it (packed)
+    unpacked: int = 0  # their unpacks so far
 
 
 @dataclass(eq=False)
@@ -174,6 +180,7 @@ class BlockOffload:
         if storage is None:
             storage = block.stored[key] = self._to_host(local, block)
         block.originals.append(local)
+        storage.views += 1
         return _Packed(storage, local.dtype, (local.storage_offset(), local.size(), local.stride()), rebuild)
 
     def _to_host(self, local: torch.Tensor, block: _Block) -> _Storage:
@@ -223,6 +230,13 @@ class BlockOffload:
         offset, size, stride = packed.view
         out = torch.empty(0, dtype=packed.dtype, device=storage.device)
         out.set_(storage.back.untyped_storage(), offset, size, stride)
+        storage.unpacked += 1
+        if storage.unpacked % storage.views == 0:
+            # Each saved view has its tensor (autograd's consumers keep its memory alive as long
+            # as they need it): let go of the copy brought back. A zero-bubble schedule's weight
+            # pass unpacks again, after its input pass: it fetches again rather than keeping the
+            # device copy in between.
+            storage.back = None
         if packed.rebuild is None:
             return out
         from torch.distributed.tensor import DTensor

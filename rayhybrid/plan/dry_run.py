@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout, Topology, describe_data_parallel
 from rayhybrid.errors import ConfigError
@@ -95,6 +97,43 @@ def _memory(cfg: Config, topo: Topology, cuda: bool) -> dict:
         "max_reserved_mb": max(mem.reserved for mem in memory.values()) / MB if cuda else None,
         "host_activations_mb": [memory[r].host_activations / MB for r in range(topo.pp)],
     }
+
+
+def host_memory_mb(cfg: Config, cuda: bool) -> float:
+    """train.offload_activations: the most host memory one rank's offloaded activations take
+    (MB, the busiest pipeline rank's); 0 without offload or without the model's memory model."""
+    if not cfg.train.offload_activations or not est.has_memory_model(cfg):
+        return 0.0
+    return max(rank_memory(cfg, r, cuda=cuda).host_activations for r in range(cfg.topology.pp)) / MB
+
+
+def host_ram_mb() -> float:
+    """This machine's physical memory (MB)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MB
+
+
+def check_host_memory(cfg: Config, host_mb: float, ranks_per_node: int, cuda: bool) -> None:
+    """One ConfigError line when the offloaded activations of `ranks_per_node` ranks (each the
+    busiest rank's) are planned over a node's `host_mb` of host memory."""
+    per_rank = host_memory_mb(cfg, cuda)
+    if per_rank * ranks_per_node <= host_mb:
+        return
+    raise ConfigError(
+        "train.offload_activations",
+        f"the offloaded activations are planned at {per_rank:,.0f} MB of host memory per rank x {ranks_per_node} "
+        f"rank(s) per node at train.micro_batch_size={cfg.train.micro_batch_size}, over the node's "
+        f"{host_mb:,.0f} MB; lower train.micro_batch_size, set train.activation_checkpointing=true "
+        "(it offloads only each block's input) or train.offload_activations=false",
+    )
+
+
+def check_run_host_memory(cfg: Config) -> None:
+    """train.offload_activations: a run whose offloaded activations are planned over this host's
+    memory stops before Ray starts (one ConfigError line). A local Ray (no cluster.address nor
+    RAY_ADDRESS) puts every rank on this machine; a cluster it joins has at least one per node."""
+    local = not (cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
+    ranks = cfg.topology.dp * cfg.topology.pp * cfg.topology.tp if local else 1
+    check_host_memory(cfg, host_ram_mb(), ranks, cuda=plan_device(cfg) == "cuda")
 
 
 def _bubble(cfg: Config) -> dict:

@@ -275,7 +275,10 @@ def offload_activations(cfg: Config, costs: dict[int, _StageCost], cuda: bool) -
         return None
     bsd = _bsd(cfg)
     act = BF16 if cfg.train.dtype == "bfloat16" else FLOAT
-    per_block = bsd if cfg.train.activation_checkpointing else cfg.train.micro_batch_size * block_bytes(cfg)
+    # What a block saves as this device's kernels save it (`saved_activations` counts the same,
+    # so the device's share leaves exactly and never goes below zero).
+    saved = block_bytes(cfg, device=_device(cuda))
+    per_block = bsd if cfg.train.activation_checkpointing else cfg.train.micro_batch_size * saved
     for c in costs.values():
         c.host = len(c.stage.layers) * per_block
         if not c.host:

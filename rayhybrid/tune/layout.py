@@ -100,8 +100,11 @@ class LayoutPlan:
         metric: str = "tokens_per_s",
         cuda: bool = False,
         baseline: Point | None = None,
+        host_mb: float = 0.0,
     ) -> None:
         self.cfg = cfg
+        # A node's host memory and its ranks: train.offload_activations' host share must fit.
+        self.host = (host_mb, min(devices, devices_per_node))
         self.budget_mb = budget_mb
         self.devices, self.devices_per_node = devices, devices_per_node
         self.metric = metric
@@ -180,7 +183,7 @@ class LayoutPlan:
 
     def _plan(self, point: Point) -> float | None:
         """The planner's peak memory of `point` (MB, busiest rank)."""
-        return planned_peak_mb(trial_config(self.cfg, point.as_config("")), cuda=self.cuda)
+        return planned_peak_mb(trial_config(self.cfg, point.as_config("")), cuda=self.cuda, host=self.host)
 
     def _representative(self, layout: tuple[int, int, int]) -> Point | None:
         """1F1B (or, where it cannot run or fit, the first schedule of STAGES_PER_RANK that

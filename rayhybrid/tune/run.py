@@ -163,9 +163,10 @@ def layout_devices(cfg: Config) -> int:
     return cfg.tune.devices or t.dp * t.pp * t.tp
 
 
-def micro_batch_plan(cfg: Config, budget: float, cuda: bool, metric: str) -> TunePlan:
+def micro_batch_plan(cfg: Config, budget: float, cuda: bool, metric: str, host: tuple | None = None) -> TunePlan:
     """The micro-batch search on the base topology: the sizes a fixed global batch allows, and
-    probes the planner places (unless tune.probes gives them)."""
+    probes the planner places (unless tune.probes gives them). `host`: a node's host memory (MB)
+    and its ranks, which train.offload_activations' host share must fit."""
     from rayhybrid.plan import estimate as est
 
     t, tc = cfg.topology, cfg.tune
@@ -189,6 +190,7 @@ def micro_batch_plan(cfg: Config, budget: float, cuda: bool, metric: str) -> Tun
             sizes=candidates[ac] if candidates else None,
             cap=tc.max_micro_batch,
             cuda=cuda,
+            host=host,
         )
         probes[ac] = space.planned_probes(largest, (1, 2))
     v = Layout.of(cfg).virtual_stages
@@ -202,12 +204,12 @@ def micro_batch_plan(cfg: Config, budget: float, cuda: bool, metric: str) -> Tun
         per_replica=per_replica,
         candidates=candidates,
         bubble=lambda n: est.bubble_fraction(t.schedule, t.pp, n, v)[0],
-        planner=lambda point: space.planned_peak_mb(trial_config(cfg, point.as_config("")), cuda=cuda),
+        planner=lambda point: space.planned_peak_mb(trial_config(cfg, point.as_config("")), cuda=cuda, host=host),
         metric=metric,
     )
 
 
-def layout_plan(cfg: Config, budget: float, cuda: bool, metric: str, gpus_per_node: int):
+def layout_plan(cfg: Config, budget: float, cuda: bool, metric: str, gpus_per_node: int, host_mb: float = 0.0):
     from rayhybrid.tune.layout import LayoutPlan
 
     t, tc = cfg.topology, cfg.tune
@@ -229,6 +231,7 @@ def layout_plan(cfg: Config, budget: float, cuda: bool, metric: str, gpus_per_no
         metric=metric,
         cuda=cuda,
         baseline=baseline,
+        host_mb=host_mb,
     )
 
 
@@ -319,9 +322,15 @@ def search_plan(cfg: Config, shape, budget: float):
     # by the busiest rank's CPU time instead (it leaves out time spent waiting).
     metric = "tokens_per_s" if shape.use_gpu else "tokens_per_cpu_s"
     source = "GPU capacity" if shape.use_gpu and cfg.tune.memory_budget_mb <= 0 else "tune.memory_budget_mb"
+    nodes = alive_nodes()
+    # A node's host memory: the least Ray lends to tasks (its `memory` resource) on a node with
+    # the trials' device; train.offload_activations' pinned copies live there.
+    device = "GPU" if shape.use_gpu else "CPU"
+    lent = [n["Resources"].get("memory", 0) for n in nodes if n.get("Resources", {}).get(device, 0)]
+    host_mb = min(lent, default=0) / 2**20
     if cfg.tune.search == "layout":
-        gpus = max((n.get("Resources", {}).get("GPU", 0) for n in alive_nodes()), default=0)
-        plan = layout_plan(cfg, budget, shape.use_gpu, metric, int(gpus))
+        gpus = max((n.get("Resources", {}).get("GPU", 0) for n in nodes), default=0)
+        plan = layout_plan(cfg, budget, shape.use_gpu, metric, int(gpus), host_mb)
         if not plan.planned:
             raise ConfigError(
                 "tune.devices",
@@ -336,7 +345,10 @@ def search_plan(cfg: Config, shape, budget: float):
         log.info("tune: layout search, budget %.1f MB per rank (%s), ranked by %s", budget, source, metric)
         return plan
     t = cfg.topology
-    plan = micro_batch_plan(cfg, budget, shape.use_gpu, metric)
+    world = t.dp * t.pp * t.tp
+    gpus = max((n.get("Resources", {}).get("GPU", 0) for n in nodes), default=0)
+    ranks_per_node = min(world, int(gpus)) if shape.use_gpu and gpus else world
+    plan = micro_batch_plan(cfg, budget, shape.use_gpu, metric, (host_mb, ranks_per_node))
     g = fixed_global_batch(cfg)
     log.info(
         "tune: dp %d x pp %d x tp %d, budget %.1f MB per rank (%s); %s; activation checkpointing %s; "

@@ -15,6 +15,7 @@ config's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from rayhybrid.config.compose import replace
@@ -72,16 +73,21 @@ def is_valid(cfg: Config) -> bool:
     return True
 
 
-def planned_peak_mb(cfg: Config, cuda: bool = False) -> float | None:
+def planned_peak_mb(cfg: Config, cuda: bool = False, host: tuple[float, int] | None = None) -> float | None:
     """The planner's peak memory of the busiest rank in MB, what must fit the device: on CPU the
     live tensor bytes (`python -m rayhybrid.plan`'s `memory.max_mb`), on CUDA what the caching
     allocator reserves (`memory.max_reserved_mb`: the trials' limit compares reserved peaks
-    too); None when the model has no memory model (ModelSpec.memory is None)."""
+    too); None when the model has no memory model (ModelSpec.memory is None). `host`: a node's
+    host memory (MB) and the ranks on it; a point whose offloaded activations
+    (train.offload_activations) are planned over it fits no budget (inf)."""
     from rayhybrid.plan import estimate as est
+    from rayhybrid.plan.dry_run import host_memory_mb
     from rayhybrid.plan.peak_memory import rank_memory
 
     if not est.has_memory_model(cfg):
         return None
+    if host and host[0] and host_memory_mb(cfg, cuda) * host[1] > host[0]:
+        return math.inf
     ranks = [rank_memory(cfg, r, cuda=cuda) for r in range(cfg.topology.pp)]
     return max(m.reserved if cuda else m.total for m in ranks) / MB
 
@@ -105,6 +111,7 @@ def largest_planned(
     sizes: list[int] | None = None,
     cap: int = 4096,
     cuda: bool = False,
+    host: tuple[float, int] | None = None,
 ) -> int:
     """The largest micro-batch size (of `sizes`, or up to `cap`) whose planned peak is at most
     `limit_mb`; 0 when none, or when the model has no memory model. Planned memory grows with
@@ -112,7 +119,7 @@ def largest_planned(
     sizes = sizes if sizes is not None else range(1, cap + 1)
 
     def fits(m: int) -> bool:
-        peak = planned_peak_mb(trial_config(cfg, point_of(m)), cuda=cuda)
+        peak = planned_peak_mb(trial_config(cfg, point_of(m)), cuda=cuda, host=host)
         return peak is not None and peak <= limit_mb
 
     lo, hi = 0, len(sizes)  # sizes[:lo] fit, sizes[hi:] do not

@@ -137,10 +137,22 @@ def fastest(records: list[Record], budget_mb: float, metric: str) -> Record | No
     return max((r for r in records if r.fits(budget_mb)), key=lambda r: r.speed(metric), default=None)
 
 
+HOST_OUT_OF_MEMORY = (
+    "cuda error: out of memory",  # cudaHostAlloc: pinned host memory (train.offload_activations)
+    "cannot allocate memory",  # ENOMEM from the host's allocator
+    "can't allocate memory",  # torch's DefaultCPUAllocator
+    "running low on memory",  # Ray's memory monitor killed the worker (the node's OOM killer)
+    "oom killer",
+)
+"""Host allocation failures (train.offload_activations' pinned copies, ...): a miss, not a crash."""
+
+
 def out_of_memory(message: str) -> bool:
     """Whether a rank's error is running out of memory: torch's `OutOfMemoryError` (the CUDA
-    caching allocator's, or the CPU meter's over tune.memory_budget_mb)."""
-    return "OutOfMemoryError" in message or "CUDA out of memory" in message
+    caching allocator's, or the CPU meter's over tune.memory_budget_mb), or the host's
+    (`HOST_OUT_OF_MEMORY`: a pinned allocation failing, a worker its node's memory killed)."""
+    low = message.lower()
+    return "OutOfMemoryError" in message or "CUDA out of memory" in message or any(s in low for s in HOST_OUT_OF_MEMORY)
 
 
 def peaks_of(steps: list[dict], name: str) -> dict[str, float]:
