@@ -131,6 +131,7 @@ def build_loss(cfg: Config, spec: ModelSpec, layout: Layout, stages: Stages) -> 
         chunk=cfg.train.loss_chunk,
         micro_batch_tokens=cfg.train.micro_batch_size * cfg.data.seq_len,
         replica_tokens=layout.replica_batch_size * cfg.data.seq_len,
+        sharded=cfg.topology.shard_group > 1,
     )
 
 

@@ -23,7 +23,6 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -115,7 +114,8 @@ def _check_projection(model: str, output: nn.Module) -> None:
 class TokenLoss:
     """The trainer's loss: the family's own (`ModelSpec.loss`) on whole logits, else the token
     cross-entropy, in chunks (`chunk` > 0 and a spec with `chunked_head`) or on whole logits.
-    Either way summed over the micro-batch and divided by `replica_tokens`."""
+    Either way summed over the micro-batch and divided by `replica_tokens`. `sharded`: the
+    stages are sharded by FSDP2 (topology.dp_shard), not replicated."""
 
     def __init__(
         self,
@@ -126,8 +126,10 @@ class TokenLoss:
         chunk: int,
         micro_batch_tokens: int,
         replica_tokens: int,
+        sharded: bool = False,
     ) -> None:
         self.spec, self.replica_tokens = spec, replica_tokens
+        self.sharded = sharded  # FSDP2 / HSDP (topology.dp_shard): parameters sharded between passes
         # A micro-batch of at most `chunk` tokens is one chunk: its whole logits, as without.
         self.chunk = chunk if spec.loss_in_chunks(chunk, micro_batch_tokens) else 0
         if 0 < chunk < micro_batch_tokens and not self.chunk:
@@ -150,8 +152,7 @@ class TokenLoss:
                 # starts with them (a no-op where they are whole: pipelines, replicate).
                 self.stage.unshard()
             loss = chunked_cross_entropy(self.stage.output, output, targets, self.chunk, self.replica_tokens)
-            sharded = isinstance(self.stage, FSDPModule) and not isinstance(self.stage, ReplicateModule)
-            if sharded and not torch.is_grad_enabled():
+            if self.sharded and isinstance(self.stage, FSDPModule) and not torch.is_grad_enabled():
                 # Evaluation: no backward follows to reshard them; sharded again, as FSDP2
                 # leaves them after a forward (replicate keeps them whole).
                 self.stage.reshard()
