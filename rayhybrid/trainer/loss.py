@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rayhybrid.errors import ConfigError
+from rayhybrid.trainer.passes import local as _plain  # a loss-parallel DTensor's full value
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,6 @@ def _chunk_loss(output: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, 
     it (the projection under the current autocast, float32 logits into the loss)."""
     logits = output(hidden)
     return F.cross_entropy(logits.float(), targets, reduction="sum") / divisor
-
-
-def _plain(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor: a loss-parallel DTensor's full value."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def _scaled(g: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
