@@ -328,8 +328,8 @@ def search_plan(cfg: Config, shape, budget: float):
     device = "GPU" if shape.use_gpu else "CPU"
     lent = [n["Resources"].get("memory", 0) for n in nodes if n.get("Resources", {}).get(device, 0)]
     host_mb = min(lent, default=0) / 2**20
+    gpus = max((n.get("Resources", {}).get("GPU", 0) for n in nodes), default=0)
     if cfg.tune.search == "layout":
-        gpus = max((n.get("Resources", {}).get("GPU", 0) for n in nodes), default=0)
         plan = layout_plan(cfg, budget, shape.use_gpu, metric, int(gpus), host_mb)
         if not plan.planned:
             raise ConfigError(
@@ -346,7 +346,6 @@ def search_plan(cfg: Config, shape, budget: float):
         return plan
     t = cfg.topology
     world = t.dp * t.pp * t.tp
-    gpus = max((n.get("Resources", {}).get("GPU", 0) for n in nodes), default=0)
     ranks_per_node = min(world, int(gpus)) if shape.use_gpu and gpus else world
     plan = micro_batch_plan(cfg, budget, shape.use_gpu, metric, (host_mb, ranks_per_node))
     g = fixed_global_batch(cfg)
