@@ -2,8 +2,10 @@
 stage holds a copy of the embedding whose gradient is summed with the embedding's every step
 (rayhybrid/parallel/tied.py).
 
-pp2 (1F1B, and ZBV, where one rank holds both ends), pp4 and dp2_pp2_tp2 train with the losses
-of one stage within 1e-6 (float32); the two copies are bitwise equal after training; the
+pp2 (1F1B, and ZBV, where one rank holds both ends), pp4, pp2_tp2 (1F1B and ZBV: at dp1 no data
+parallelism brings the embedding's Replicate gradient to its Shard(0) placement, so the two
+ends' gradients differed in shape until tied.py redistributed them) and dp2_pp2_tp2 train with
+the losses of one stage within 1e-6 (float32); the two copies are bitwise equal after training; the
 checkpoint stores the embedding once and resumes under another topology; and the Hugging Face
 export of a pipelined run is tied and equal to the one-stage run's. (A tied Hugging Face model
 read at pp2: tests/test_hf.py.)"""
@@ -68,6 +70,16 @@ def pp4(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
+def pp2_tp2(tmp_path_factory) -> dict:
+    """dp1 x pp2 x tp2, with 1F1B (the pair on two ranks) and with ZBV (rank pairs holding both ends)."""
+    runs = {
+        "pp2_tp2": tied_config(pp=2, tp=2),
+        "pp2_tp2_zbv": tied_config(pp=2, tp=2, schedule="zbv", stages_per_rank=2),
+    }
+    return {"ranks": run_world(4, runs, "", tmp_path_factory.mktemp("pp2_tp2")), "cfgs": runs}
+
+
+@pytest.fixture(scope="module")
 def hybrid(tmp_path_factory) -> dict:
     """dp2_pp2_tp2, saving a checkpoint."""
     runs = {"dp2_pp2_tp2": tied_config(dp=2, pp=2, tp=2)}
@@ -86,7 +98,7 @@ def assert_within(got: list[float], want: list[float], what: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["two_stages", "pp4", "hybrid"])
+@pytest.mark.parametrize("world", ["two_stages", "pp4", "pp2_tp2", "hybrid"])
 def test_losses_equal_one_stage_and_copies_stay_equal(world, one_stage, request):
     run = request.getfixturevalue(world)
     reference = one_stage["fresh"]["pp1"]

@@ -10,6 +10,12 @@ last stage with the same dp and tp coordinates, or in place where one rank holds
 (ZBV's V). Both copies then take the same optimizer step from the same state, so they stay
 bitwise equal, and the sum is the gradient of the single tied tensor a one-stage model has. The
 gradient norm counts the embedding once (`uncounted`).
+
+The two gradients are summed as the parameters are sharded, not as autograd left them: under
+tp, DTensor's embedding backward gives the vocab-parallel embedding a Replicate gradient (the
+whole table on each tp rank) while the output's is Shard(0) like its weight. Data parallelism
+(FSDP2 or replicate) reduces gradients into the parameter's placement; at dp1 nothing does, so
+`sum_grads` redistributes them first (Replicate to Shard is a local slice).
 """
 
 from __future__ import annotations
@@ -23,6 +29,14 @@ from rayhybrid.config.topology import Layout
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _as_param(param: torch.nn.Parameter) -> None:
+    """Give a DTensor parameter's gradient the parameter's placements (collective over its
+    mesh where that needs one; every rank of the mesh calls this for the same parameters)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def tied_copies(module: torch.nn.Module) -> dict[str, str]:
@@ -69,6 +83,8 @@ class TiedCopies:
     @torch.no_grad()
     def sum_grads(self) -> None:
         """Sum the gradients of each tied pair (its two copies hold the sum afterwards)."""
+        for param in [*self.sources.values(), *self.copies.values()]:
+            _as_param(param)
         if self.sources and self.copies:  # one rank holds both ends
             for name in sorted(self.copies):
                 source, copy = self.sources[name], self.copies[name]
