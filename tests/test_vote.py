@@ -64,6 +64,7 @@ def reference(pause_dir, tmp_path_factory) -> tuple[list[float], dict[int, set[s
 def killed_at(point: str, pause_dir: Path, run_dir: Path) -> tuple[dict, dict]:
     """A test-mode run in which rank 1 pauses at `point` of step KILL_STEP and is SIGKILLed
     there by this process; the summary and where it paused."""
+    states(pause_dir)  # nothing left of an earlier run
     for leftover in ("pause.json", "paused.json"):
         (pause_dir / leftover).unlink(missing_ok=True)
     (pause_dir / "pause.json").write_text(json.dumps({"rank": 1, "step": KILL_STEP, "point": point}))
@@ -98,11 +99,11 @@ def test_a_kill_heals_to_bitwise_equal_replicas(tmp_path, pause_dir, reference, 
     if point == "grad_all_reduce":
         assert paused["numel"] > 1  # a gradient bucket, not the loss or the vote
     assert summary["status"] == "completed" and summary["steps"] == 6
-    (recovery,) = summary["recoveries"]
-    assert recovery["replaced_ranks"] == [1]
-    assert (recovery["healed"], recovery["steps_redone"]) == ("peer", 0)
-    assert recovery["resume_step"] == resume_step, recovery
     assert losses(run_dir) == ref_losses  # bitwise, every step once
     after = states(pause_dir)
     assert sorted(after) == list(range(1, 7))
     assert after == ref_states  # each step: one digest over both replicas (and the killed rank's), the reference's
+    (recovery,) = summary["recoveries"]
+    assert recovery["replaced_ranks"] == [1]
+    assert (recovery["healed"], recovery["steps_redone"]) == ("peer", 0)
+    assert recovery["resume_step"] == resume_step, recovery
