@@ -4,10 +4,10 @@ On NCCL a collective whose peer died does not raise on the host that issued it: 
 on the device, and the host learns of it only through ProcessGroupNCCL's watchdog.
 `TORCH_NCCL_ASYNC_ERROR_HANDLING` says what the watchdog does on an error or a timeout: 0
 nothing, 1 abort the communicator and tear the process down, 2 only abort the communicator
-(the failed collective's work raises, the process lives on), 3 tear down without aborting
-(torch's docs/source/torch_nccl_environment_variables.md). Peer healing needs the survivors
-alive with their state, so `nccl_error_handling` sets 2 before an NCCL process group forms,
-unless the environment sets it already.
+(the failed collective's work raises, the process lives on), 3 tear down without aborting,
+torch's default (torch's docs/source/torch_nccl_environment_variables.md). Peer healing needs
+the survivors alive with their state, so `nccl_error_handling` sets 2 before an NCCL process
+group forms, unless the environment sets it already.
 
 A dead peer may still show only as a hang until the watchdog's timeout (minutes). The driver
 does not wait for it: after a failed call it aborts the communicators of every rank still busy
