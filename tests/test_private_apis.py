@@ -50,6 +50,7 @@ DRAIN = "cluster/spot_watch.py: a spot notice drains its node in Ray"
 PLACE = "cluster/placement.py: whether the cluster can add nodes; Ray's drain state"
 JOIN = "parallel/mesh.py joining: the short join timeout (without: torch's, one warning)"
 FORGET = "parallel/mesh.py forget_*: a rank rejoining after a failure (without: one warning)"
+ABORT = "parallel/abort.py: the drain aborts a rank's NCCL communicators (without: a survivor waits for the watchdog)"
 PIPE = "parallel/pipeline.py: forward-only passes of the multi-stage schedules (evaluation)"
 COMPILE = "parallel/compile.py: train.compile's cache folder and settings"
 MEMORY = "trainer/memory_meter.py: the memory meter (tune.memory_budget_mb, the planner's check)"
@@ -88,7 +89,7 @@ PRIVATE = (
     # torch
     Private(f"{C10D}.default_pg_timeout", JOIN),
     Private(f"{C10D}.default_pg_nccl_timeout", JOIN),
-    Private(f"{C10D}._world.pg_map", JOIN),
+    Private(f"{C10D}._world.pg_map", f"{JOIN}; {ABORT}"),
     Private(f"{C10D}._set_pg_timeout", JOIN, (2, ())),
     Private(f"{C10D}._get_default_timeout", JOIN, (1, ())),
     Private(f"{C10D}._world.group_count", FORGET),

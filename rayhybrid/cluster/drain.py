@@ -63,6 +63,7 @@ def drain(state: GroupState, calls: Calls) -> tuple[Drained, GroupState]:
     found_s = time.perf_counter() - start
     alive = sigkill([infos[rank] for rank in hung])  # their connections close: blocked peers fail
     stop([workers[rank] for rank in hung])
+    abort_collectives([workers[rank] for rank in calls.busy() if rank not in hung])  # NCCL: blocked ones raise
     dead = hung | leave(workers, skip=hung)
     stop([workers[rank] for rank in dead - hung])
     calls.settle(closing)
@@ -104,6 +105,21 @@ def leave(workers: list, skip: set[int]) -> set[int]:
         except RayError:  # dead, or (ActorUnavailableError) cannot be reached and Ray does not know why yet
             gone.add(rank)
     return gone
+
+
+def abort_collectives(workers: list) -> None:
+    """Abort the NCCL communicators of `workers` (ranks still busy in the failed call) from their
+    control threads (`TrainWorker.abort_collectives`): one blocked in a collective on a dead peer
+    raises within seconds, instead of at NCCL's watchdog timeout (minutes), and then leaves as
+    the others do. A no-op on gloo, where a dead peer already raises. Waits at most
+    PING_TIMEOUT_S; a worker that does not answer is dealt with by `leave`."""
+    refs = [worker.abort_collectives.remote() for worker in workers if worker is not None]
+    if not refs:
+        return
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT_S)
+    for ref in done:
+        with contextlib.suppress(RayError):
+            ray.get(ref)
 
 
 def close_rendezvous(host) -> list:

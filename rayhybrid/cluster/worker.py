@@ -55,6 +55,21 @@ def import_trainer() -> None:
             gc.enable()
 
 
+def drop_trainer(trainer, healer: Healer | None, rank: int) -> None:
+    """What a worker does before it lets go of its trainer: on NCCL abort its communicators
+    (rayhybrid/parallel/abort.py), so that nothing, the copy of its state to the host included,
+    waits behind a collective hung on a dead peer; with fault.heal and a `healer`, keep its state
+    there when it is a whole step's (`Trainer.settled`); abandon a save in flight, stop the
+    stream's read-ahead thread and free its batches on the device."""
+    from rayhybrid.parallel.abort import abort_collectives
+
+    abort_collectives()
+    if healer is not None and trainer.heal and trainer.settled:
+        healer.keep(trainer, rank)
+    trainer.close_checkpoints()
+    trainer.feed.close()
+
+
 CONTROL = "control"  # the concurrency group that answers while a step is blocked
 
 
@@ -125,6 +140,14 @@ class TrainWorker:
         return os.getpid()
 
     @ray.method(concurrency_group=CONTROL)
+    def abort_collectives(self) -> bool:
+        """NCCL: abort this rank's communicators, so that a collective blocked on a dead peer
+        raises in the main thread within seconds (the drain calls it); a no-op on gloo."""
+        from rayhybrid.parallel.abort import abort_collectives
+
+        return abort_collectives()
+
+    @ray.method(concurrency_group=CONTROL)
     def host_store(self, world_size: int) -> int:
         """Serve the rendezvous of the next join (a TCPStore on a free port, as rank 0); returns
         its port. It lives apart from the process groups, so the driver can close it
@@ -166,6 +189,7 @@ class TrainWorker:
     def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...]) -> dict:
         import torch
 
+        from rayhybrid.faults import async_collectives
         from rayhybrid.parallel.mesh import (
             COLLECTIVE_TIMEOUT_S,
             JOIN_TIMEOUT_S,
@@ -201,6 +225,8 @@ class TrainWorker:
                 timeout_s=JOIN_TIMEOUT_S,
                 hosted=True,
             )
+            if self.cfg.fault.nccl_like:  # a test mode: gloo's collectives fail as NCCL's do
+                async_collectives.install()
             self.trainer = Trainer(self.cfg, rank=self.rank, device=device)
         return {**self.trainer.describe(), "startup": startup.reading()}
 
@@ -272,29 +298,19 @@ class TrainWorker:
         return guarded(self.reset, self.rank, fn, *args)
 
     def reset(self, keep: bool = True) -> None:
-        """Drop the trainer and the process groups; idempotent. A group's connections close
-        only when nothing refers to it any more: the trainer holds cycles (hence the
-        collection) and device meshes keep their groups in registries (`forget_meshes`).
-        `keep`: with fault.heal, keep the trainer's state first when it is a whole step's."""
+        """Drop the trainer (`drop_trainer`; `keep`: its state, with fault.heal, when it is a
+        whole step's) and the process groups (`leave_world`); idempotent. A group's connections
+        close only when nothing refers to it any more, hence the collections."""
         import torch
-        import torch.distributed as dist
 
-        if self.trainer is not None and keep and self.trainer.heal and self.trainer.settled:
-            self.healer.keep(self.trainer, self.rank)
+        from rayhybrid.faults import async_collectives
+        from rayhybrid.parallel.mesh import leave_world
+
         if self.trainer is not None:
-            self.trainer.close_checkpoints()
-            self.trainer.feed.close()  # its stream's read-ahead thread, its batches on the device
+            drop_trainer(self.trainer, self.healer if keep else None, self.rank)
         self.trainer = None
-        if dist.is_initialized():
-            from rayhybrid.parallel.mesh import forget_meshes
-
-            dist.destroy_process_group()
-            gc.collect()
-            forget_meshes()
-        else:  # a join that failed before its default group formed has counted that group
-            from rayhybrid.parallel.mesh import forget_group_names
-
-            forget_group_names()
+        async_collectives.uninstall()  # fault.nccl_like's test mode, until the next join
+        leave_world()
         gc.collect()
         if torch.cuda.is_initialized():  # after an out-of-memory error: hand the cached memory back
             torch.cuda.empty_cache()

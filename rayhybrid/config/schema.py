@@ -297,6 +297,10 @@ class FaultConfig:
     ranks receive theirs from those copies: no completed step is trained again. Otherwise (dp=1,
     topology.dp_shard=true, both copies lost) the run restores the latest checkpoint. With dp >= 2
     each step ends with a one-value all-reduce of every rank (the commit vote)."""
+    nccl_like: bool = False
+    """A test mode for gloo (CPU): collectives fail as they do on NCCL when a peer dies. A failed
+    collective is recorded instead of raised, its tensor left partly reduced, and the host goes
+    on; the failure is raised as the next step begins (rayhybrid/faults/async_collectives.py)."""
 
 
 @dataclass(frozen=True)

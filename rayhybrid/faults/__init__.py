@@ -1,6 +1,8 @@
 """Fault injection (`fault.inject`, `fault.inject_rate`): the kinds, where each fires and what
 it does (`kinds.py`), and the driver's plan of which fault fires when and on which rank, its
-validation, and `trigger`, which runs in the victim rank's process (`injection.py`)."""
+validation, and `trigger`, which runs in the victim rank's process (`injection.py`). Two test
+modes are imported where they are used: `fault.nccl_like`, gloo's collectives failing as NCCL's
+do (`async_collectives.py`), and the pause points at which a test kills a rank (`pause.py`)."""
 
 from rayhybrid.faults.injection import (
     FORM,

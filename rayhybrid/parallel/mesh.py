@@ -144,6 +144,10 @@ def init_process_group(
     import torch.distributed as dist
 
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if select_backend(device) == "nccl":
+        from rayhybrid.parallel.abort import nccl_error_handling
+
+        nccl_error_handling()  # a dead peer raises, the survivor keeps its state
     timeout = timedelta(seconds=timeout_s)
     if hosted:
         kwargs["store"] = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
@@ -244,6 +248,22 @@ def forget_group_names() -> None:
     lost = "after a failed join this rank may name the next world's groups unlike the others do (the join times out)"
     if not _lacking(lost, _missing([GROUP_COUNT])):
         c10d._world.group_count = 0
+
+
+def leave_world() -> None:
+    """Leave this process's world: destroy its process groups and forget its device meshes
+    (`forget_meshes`); after a join that failed before its default group formed, which has
+    counted that group, the count that names groups (`forget_group_names`)."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        gc.collect()
+        forget_meshes()
+    else:
+        forget_group_names()
 
 
 def forget_meshes() -> None:

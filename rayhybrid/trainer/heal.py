@@ -21,6 +21,7 @@ names, which both sides list from the same model.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rayhybrid.data.streams import replica_shard, trace_rows
+from rayhybrid.faults import pause
 from rayhybrid.trainer.checkpoint import apply, state_dict
 from rayhybrid.trainer.results import StepResult
 
@@ -38,6 +40,35 @@ def heal_enabled(cfg) -> bool:
     replicated, dp / N >= 2 with HSDP; never with FSDP over all of dp)."""
     t = cfg.topology
     return bool(cfg.fault.heal) and t.dp // t.shard_group >= 2
+
+
+class VoteFailed(RuntimeError):
+    """The commit vote's sum is not the world size: a rank did not finish the step."""
+
+
+def commit_vote(group, device: torch.device, step: int) -> None:
+    """The commit vote of `step` (`Trainer.commit_vote`): one all-reduce of a 1 from every rank
+    of `group` (all ranks), read on the host; raises `VoteFailed` unless the sum is the world
+    size, and the rank then does not step.
+
+    Why a rank that passes knows that every rank has the step's gradients, on NCCL too: a
+    rank's collectives run in the order it issued them, on its stream, so its vote starts only
+    once its gradient all-reduce, clipping norm and loss have completed there; and an all-reduce
+    completes on any rank only once every rank has started it. A sum equal to the world size,
+    read on the host, thus says that every rank finished its collectives of the step. A rank
+    that steps never holds a step that a live peer could not have taken; when a rank dies after
+    voting, the ranks that passed hold the next step and heal the others. The host must read
+    it: NCCL returns from an unread all-reduce once it is queued, and a vote whose peer died ends
+    with a smaller sum once its communicator is aborted (by the watchdog, or the drain's
+    `abort_collectives`: rayhybrid/parallel/abort.py), without raising; gloo's raises. Its cost:
+    one small all-reduce and one host sync (`Trainer.global_loss` syncs already)."""
+    if pause.ARMED:
+        pause.at("vote")
+    votes = torch.ones(1, device=device)
+    dist.all_reduce(votes, group=group)
+    counted, world = int(votes.item()), dist.get_world_size(group)
+    if counted != world:
+        raise VoteFailed(f"commit vote of step {step}: {counted} of {world} ranks voted; not stepping")
 
 
 def shape_of(trainer) -> tuple:
@@ -82,6 +113,17 @@ def keep(trainer) -> Kept:
         tensors,
         _step_record(trainer),
     )
+
+
+def state_digest(trainer) -> str:
+    """A digest of the rank's local shards of the model and optimizer state, and its RNG state:
+    equal on two ranks (or runs) exactly when those are bitwise equal."""
+    digest = hashlib.sha256()
+    for key, tensor in sorted(_local_tensors(trainer).items()):
+        digest.update(key.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(torch.get_rng_state().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _step_record(trainer) -> StepResult | None:

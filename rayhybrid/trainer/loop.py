@@ -21,6 +21,7 @@ from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
 from rayhybrid.data.feed import DeviceFeed
 from rayhybrid.data.streams import build_stream, replica_shard, trace_rows
+from rayhybrid.faults import async_collectives, pause
 from rayhybrid.models.registry import get_spec
 from rayhybrid.parallel.grad import clip_grad_norm_
 from rayhybrid.parallel.mesh import build_mesh
@@ -28,7 +29,7 @@ from rayhybrid.parallel.tied import TiedCopies
 from rayhybrid.trainer.build import build_loss, build_memory_meter, build_optimizers, build_pipeline, build_stages
 from rayhybrid.trainer.checkpoint import Checkpoints
 from rayhybrid.trainer.evaluation import Evaluation
-from rayhybrid.trainer.heal import heal_enabled
+from rayhybrid.trainer.heal import commit_vote, heal_enabled, state_digest
 from rayhybrid.trainer.instrument import instrument_stage
 from rayhybrid.trainer.optim import lr_at, set_lr
 from rayhybrid.trainer.passes import Accumulate, Pipelined
@@ -160,6 +161,7 @@ class Trainer:
             set_lr(opt, lr)
 
         self.settled = True  # the state is the run's at step `self.step` (docs/recovery-and-elasticity.md)
+        async_collectives.host_sync()  # fault.nccl_like: a failure of the last step's collectives raises here
         self.timeline.begin_step(record=self.step + 1 in self.trace_steps)
         with self.memory.step() if self.memory is not None else contextlib.nullcontext():
             loss = self.forward_backward()
@@ -172,12 +174,16 @@ class Trainer:
                 loss = self.global_loss(loss)
             vote_s = self.commit_vote()
             with self.timeline.span("optimizer", "optimizer", stage=self.stages[0][0]):
+                if pause.ARMED:
+                    pause.at("optimizer")
                 self.settled = False  # between the first optimizer's step and the step count
                 for opt in self.optimizers:
                     opt.step()
                 self.step += 1
                 self.consumed_samples += cfg.train.global_batch_size
                 self.settled = True
+        if pause.ARMED:  # tests/test_vote.py: the state after the step, to compare replicas bit for bit
+            pause.record("state", step=self.step, rank=dist.get_rank(), digest=state_digest(self))
         elapsed = time.perf_counter() - start
         metrics: StepMetrics = {
             "step": self.step,
@@ -260,16 +266,14 @@ class Trainer:
         return self.mesh[dim].get_group() if self.mesh[dim].size() > 1 else None
 
     def commit_vote(self) -> float | None:
-        """fault.heal: one all-reduce of every rank, after the step's last collective and before
-        any optimizer step. A rank that passes it knows that every rank has its gradients, so a
-        rank that steps never holds a step that a live peer could not have taken; when a rank
-        dies after voting, the ranks that passed hold the next step and heal the others
-        (rayhybrid/trainer/heal.py). Returns its seconds (None: no vote)."""
+        """fault.heal: the commit vote after the step's last collective and before any optimizer
+        step (`heal.commit_vote`, which says why it holds on NCCL too); raises `VoteFailed`
+        unless every rank voted. Returns its seconds (None: no vote)."""
         if not self.heal:
             return None
         start = time.perf_counter()
         with self.timeline.span("commit vote", "comm"):
-            dist.all_reduce(torch.ones(1, device=self.device), group=self.world_group)
+            commit_vote(self.world_group, self.device, self.step + 1)
         return time.perf_counter() - start
 
     def global_loss(self, loss: torch.Tensor) -> float:
