@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -17,10 +18,6 @@ from rayhybrid.storage.generation import Fenced
 from rayhybrid.storage.store import Store
 
 log = logging.getLogger(__name__)
-
-EXIT_CODE = 75
-"""A fenced-off worker's exit status."""
-
 
 @dataclass(frozen=True)
 class Fence:
@@ -42,5 +39,7 @@ class Fence:
         log.error(message)
         if self.exits:
             print(f"rayhybrid: {message}; exiting", file=sys.stderr, flush=True)
-            os._exit(EXIT_CODE)
+            # At once, as a kill from outside would: nothing of this process may run on (its
+            # upload thread, its main thread in a call of the generation gone).
+            os.kill(os.getpid(), signal.SIGKILL)
         raise Fenced(message)
