@@ -19,6 +19,7 @@ from rayhybrid.storage.store import Store
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Fence:
     generation: int = 0
