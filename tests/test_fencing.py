@@ -146,6 +146,8 @@ def reference(cluster, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_partitioned_node_resumes_fenced_off(cluster, reference, tmp_path, monkeypatch, caplog):
+    # Should rank 1 be caught in a collective with the stopped rank (gloo waits 300 s), the drain
+    # replaces it after 5 s rather than 30: the run then restores a checkpoint instead of healing.
     monkeypatch.setattr(drain_module, "DRAIN_TIMEOUT_S", 5.0)
     run_dir, root = tmp_path / "run", tmp_path / "ckpts"
     store = Store.open(root)
