@@ -124,7 +124,7 @@ class FakeGroup:
     def wait_placed(self, slots, timeout_s):
         return {s for s in slots if s in self.not_placed}
 
-    def rebuild(self, slots):
+    def rebuild(self, slots, generation=None):
         self.calls.append(("rebuild", list(slots)))
         self.active = list(slots)
 
@@ -491,7 +491,7 @@ def test_a_start_whose_workers_do_not_join_leaves_no_group_and_recovers(tmp_path
         def reserve(self, needed):
             return [0]
 
-        def rebuild(self, slots):
+        def rebuild(self, slots, generation=None):
             super().rebuild(slots)
             if len(built) == 1:
                 raise WorkerError(0, "could not join")

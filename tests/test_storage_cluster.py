@@ -86,7 +86,8 @@ def test_recovery_from_s3_is_exact_and_keeps_no_secret(cluster, reference, tmp_p
     assert [checkpoint_store.step_of(p) for p in checkpoint_store.committed(store)] == [8, 10]
     assert not checkpoint_store.uncommitted(store)
     assert checkpoint_store.latest(store).step == 10
-    assert summary["last_checkpoint"] == f"{url}/step_00000010"
+    # Written after the restart: by the run's generation 1 (docs/design.md, invariant 10).
+    assert summary["last_checkpoint"] == f"{url}/{checkpoint_store.name_for(10, 1)}" == f"{url}/step_00000010.g1"
     # No secret in the run directory, the bucket or the output.
     written = [p.read_bytes() for p in run_dir.rglob("*") if p.is_file()]
     written += list(s3.objects(url, endpoint).values())

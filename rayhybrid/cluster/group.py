@@ -141,17 +141,18 @@ class WorkerGroup:
             self.reservation.move(slot)
         self._state = self._state.but(replicas=replicas)
 
-    def rebuild(self, slots: list[int]) -> None:
+    def rebuild(self, slots: list[int], generation: int | None = None) -> None:
         """Train on the replicas in `slots` (in this order: replica i is data-parallel rank i):
         stop the actors of slots left out, start actors where a slot has none or lost some,
         and join them all in a new process group (ranks and dp may change; a checkpoint
-        restores the state). Every worker call is bounded in time (see `_join`)."""
+        restores the state), under the run's `generation`. Every call is bounded in time (`_join`)."""
         state = self._state
         for slot in [s for s in state.slots if s not in slots]:
             stop(state.replicas[slot])
         kept = {slot: actors for slot, actors in state.replicas.items() if slot in slots or slot not in state.slots}
         replicas = {**kept, **self.spawner.actors(state.cfg, slots, kept)}
         self._state = state.but(cfg=with_dp(state.cfg, len(slots)), slots=tuple(slots), replicas=replicas)
+        self._state = self._state.but(generation=state.generation if generation is None else generation)
         self._join()
 
     def drain(self) -> Drained:
@@ -181,9 +182,9 @@ class WorkerGroup:
         self._state = self._state.but(store_host=workers[0])
         master_addr = self.infos[0].ip
         log.debug("%d workers joining a process group at %s:%d", len(workers), master_addr, master_port)
-        gpus = visible_gpus(self.infos)
+        gpus, gen = visible_gpus(self.infos), self._state.generation
         calls = [
-            w.setup.remote(master_addr, master_port, gpus[rank], rank=rank, cfg=self.cfg)
+            w.setup.remote(master_addr, master_port, gpus[rank], rank=rank, cfg=self.cfg, generation=gen)
             for rank, w in enumerate(workers)
         ]
         self._state = self._state.but(descriptions=tuple(get(calls, timeout, "setup")))

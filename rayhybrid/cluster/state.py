@@ -31,6 +31,8 @@ class GroupState:
     """Every rank's `Trainer.describe()` from the last join."""
     store_host: Any = None
     """The worker serving the rendezvous of the last join (its rank 0), until the drain closes it."""
+    generation: int = 0
+    """The run's generation its workers join under (storage/generation.py)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, MappingProxyType):

@@ -172,21 +172,23 @@ class TrainWorker:
         visible_gpus: tuple[str, ...] = (),
         rank: int | None = None,
         cfg: Config | None = None,
+        generation: int = 0,
     ) -> dict:
         """Join the process group and build this rank's part of the model; again after a
         failure or a resize, when `rank` and `cfg` (its topology) may change.
 
         `visible_gpus`: every GPU the ranks on this node hold; each worker sees all of them
-        (so NCCL can use peer-to-peer links) and picks its own by position.
+        (so NCCL can use peer-to-peer links) and picks its own by position. `generation`: the
+        run's, which fences off the checkpoint writes of this rank once it is stale (trainer/fence.py).
         """
         self.reset(keep=False)  # what a failure kept stays kept until the driver says what to do
         if cfg is not None:
             self.cfg, self.world_size = cfg, Layout.of(cfg).world_size
         if rank is not None:
             self.rank = rank
-        return self._guarded(self._join, master_addr, master_port, visible_gpus)
+        return self._guarded(self._join, master_addr, master_port, visible_gpus, generation)
 
-    def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...]) -> dict:
+    def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...], generation: int) -> dict:
         import torch
 
         from rayhybrid.faults import async_collectives
@@ -227,7 +229,7 @@ class TrainWorker:
             )
             if self.cfg.fault.nccl_like:  # a test mode: gloo's collectives fail as NCCL's do
                 async_collectives.install()
-            self.trainer = Trainer(self.cfg, rank=self.rank, device=device)
+            self.trainer = Trainer(self.cfg, rank=self.rank, device=device, generation=generation)
         return {**self.trainer.describe(), "startup": startup.reading()}
 
     def save(self, root: str, keep: int, inject: str | None = None) -> SaveResult:

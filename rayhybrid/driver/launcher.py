@@ -111,7 +111,8 @@ class Launcher:
         failure comes back with the run state as far as it got (the nodes it checked)."""
         try:
             run = self.ledger.check_storage(run, group, slots)
-            group.rebuild(list(slots))
+            run = self.ledger.advance(run)  # a new generation, published before its ranks join
+            group.rebuild(list(slots), run.generation)
         except WorkerError as err:
             return run, err
         return run, None

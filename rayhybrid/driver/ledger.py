@@ -24,7 +24,7 @@ from rayhybrid.driver.runlog import RunLog
 from rayhybrid.driver.state import RunState
 from rayhybrid.errors import WorkerError
 from rayhybrid.faults import Injection
-from rayhybrid.storage import checkpoints
+from rayhybrid.storage import checkpoints, generation
 from rayhybrid.storage.store import Store, redact_url
 from rayhybrid.storage.visibility import check_datasets, check_storage
 from rayhybrid.trainer.results import SaveResult
@@ -62,6 +62,17 @@ class CheckpointLedger:
             return run
         check_storage(self.store, nodes, group.env, default=self.default_dir)
         return run.but(checked_nodes=run.checked_nodes | set(nodes))
+
+    def advance(self, run: RunState) -> RunState:
+        """The run's next generation, for a start, a recovery or a resize: published in the
+        checkpoint root before its ranks join, so that a rank of an older one (stopped, not
+        dead) can commit nothing that is read (storage/generation.py, trainer/fence.py)."""
+        if not self.cfg.checkpoint.enabled:  # no rank writes a checkpoint: nothing to fence
+            return run.but(generation=0 if run.generation is None else run.generation + 1)
+        record = checkpoints.next_generation(self.store, run.generation)
+        generation.publish(self.store, record)
+        log.debug("generation %d published in %s", record.current, self.store.display)
+        return run.but(generation=record.current)
 
     def save(self, run: RunState, group, step: int, inject: Injection | None) -> RunState:
         """Save the checkpoint of `step`: written by the time this returns, or uploading (async);

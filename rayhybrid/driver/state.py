@@ -48,6 +48,9 @@ class RunState:
     """Nodes the run moved off after a preemption notice."""
     train_started: float | None = None
     """perf_counter() when the workers last started training (for train_s)."""
+    generation: int | None = None
+    """The run's generation: the workers' current one, bumped by every start, recovery and
+    resize (`CheckpointLedger.advance`); None before the first start."""
 
     def but(self, **changes) -> RunState:
         return dataclasses.replace(self, **changes)

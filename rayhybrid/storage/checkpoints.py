@@ -3,8 +3,10 @@ the commit marker, validation, retention. No torch, no Ray.
 
 Layout under `checkpoint.dir`::
 
+    generation.json     the run's generation and what older ones committed (storage/generation.py)
     step_00000050/      DCP shards (__<rank>_<n>.distcp) and .metadata, then meta.json
     step_00000060/      no meta.json: being written, or a save that was interrupted
+    step_00000060.g2/   the same step written by the ranks of generation 2 (generation 0 has no suffix)
 
 Object stores have no rename, so a checkpoint is written in place and published by its commit
 marker: `meta.json`, written last, by rank 0, once DCP's `.metadata` says every rank's data is
@@ -14,6 +16,12 @@ checkpoint is detected without reading it. Readers take only committed steps; an
 directory is never loaded, and the next commit deletes it (`retain`). Whether a checkpoint fits
 a run (its model, global batch and data) is `rayhybrid.driver.compatibility.check_fits`,
 asked once, by the driver.
+
+Each generation of ranks writes only into its own directories, and a commit by a generation
+older than the one the driver published is not accepted (`generation.json`: a rank that was
+stopped and resumes after the run moved on, see storage/generation.py): `committed`, `latest`
+and `best` pass over it, and `retain` deletes it. Directories of a newer generation than the
+caller's are never deleted.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from rayhybrid.storage import generation as generations
+from rayhybrid.storage.generation import Generations
 from rayhybrid.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -31,16 +41,23 @@ log = logging.getLogger(__name__)
 PREFIX = "step_"
 LEGACY_TMP_PREFIX = ".tmp-"  # how checkpoints were written before the commit marker
 META = "meta.json"
-_NAME = re.compile(rf"^{PREFIX}(\d+)$")
+_NAME = re.compile(rf"^{PREFIX}(\d+)(?:\.g(\d+))?$")
 
 
-def name_for(step: int) -> str:
-    return f"{PREFIX}{step:08d}"
+def name_for(step: int, generation: int = 0) -> str:
+    """The directory of `step` written by the ranks of `generation` (0: no suffix, as before)."""
+    return f"{PREFIX}{step:08d}" + (f".g{generation}" if generation else "")
 
 
 def step_of(path: str) -> int | None:
     m = _NAME.match(os.path.basename(path.rstrip("/")))
     return int(m.group(1)) if m else None
+
+
+def generation_of(path: str) -> int:
+    """The generation whose ranks wrote the checkpoint directory `path` (0 without a suffix)."""
+    m = _NAME.match(os.path.basename(path.rstrip("/")))
+    return int(m.group(2) or 0) if m else 0
 
 
 @dataclass(frozen=True)
@@ -68,11 +85,11 @@ def file_sizes(store: Store, path: str) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def begin(store: Store, step: int) -> str:
-    """Make way for the checkpoint of `step` (rank 0, before any rank writes): a directory of
-    that step written before (a save interrupted, or a run that went back past it) is
-    uncommitted first, then removed. Returns the path to write to."""
-    path = store.join(name_for(step))
+def begin(store: Store, step: int, generation: int = 0) -> str:
+    """Make way for the checkpoint of `step` by `generation` (rank 0, before any rank writes): a
+    directory of that step this generation wrote before (a save interrupted, or a run that
+    went back past it) is uncommitted first, then removed. Returns the path to write to."""
+    path = store.join(name_for(step, generation))
     store.fresh()
     if store.fs.exists(path):
         if store.fs.exists(f"{path}/{META}"):
@@ -115,6 +132,8 @@ def check(store: Store | str | os.PathLike, path: str | os.PathLike | None = Non
     files = meta.get("files") or {}
     if ".metadata" not in files:
         raise ValueError("no DCP .metadata recorded")
+    if int(meta.get("generation", 0)) != generation_of(path):
+        raise ValueError(f"its marker names generation {meta.get('generation', 0)}, its directory another")
     present = file_sizes(store, path)
     for name, size in files.items():
         if name not in present:
@@ -124,8 +143,23 @@ def check(store: Store | str | os.PathLike, path: str | os.PathLike | None = Non
     return Checkpoint(store.url_of(path), meta)
 
 
+def next_generation(store: Store, after: int | None = None) -> Generations:
+    """The record of the run's next generation (storage/generation.py): past `after` (the
+    driver's current one; None at a start: past every generation the store holds, so a resumed
+    run never uses one twice; 0 in an empty store), with the generation before it closed at the
+    newest step it committed."""
+    paths, record = step_dirs(store), generations.read(store)
+    if record is None and not paths and after is None:
+        return Generations(0)
+    before = record or Generations(max((generation_of(p) for p in paths), default=0))
+    mine = [p for p in paths if generation_of(p) == before.current and store.fs.exists(f"{p}/{META}")]
+    newest = max((step_of(p) for p in mine), default=None)
+    return before.after(newest, max(before.current, -1 if after is None else after) + 1)
+
+
 def step_dirs(store: Store) -> list[str]:
-    """Checkpoint directories (committed or not), oldest first; nothing when the root is absent."""
+    """Checkpoint directories (committed or not), oldest first (by step, then generation);
+    nothing when the root is absent."""
     store.fresh()
     try:
         entries = store.fs.ls(store.root, detail=True)
@@ -135,13 +169,21 @@ def step_dirs(store: Store) -> list[str]:
     for entry in entries:
         step = step_of(entry["name"])
         if step is not None and entry.get("type") == "directory":
-            found.append((step, entry["name"].rstrip("/")))
-    return [path for _, path in sorted(found)]
+            name = entry["name"].rstrip("/")
+            found.append((step, generation_of(name), name))
+    return [path for *_, path in sorted(found)]
+
+
+def accepted(record: Generations | None, path: str) -> bool:
+    """Whether readers take the commit in `path`, by the generation record (None: all)."""
+    return record is None or record.accepts(generation_of(path), step_of(path))
 
 
 def committed(store: Store) -> list[str]:
-    """Directories whose commit marker exists, oldest first (complete or not: see `check`)."""
-    return [path for path in step_dirs(store) if store.fs.exists(f"{path}/{META}")]
+    """Directories whose commit marker exists, oldest first (complete or not: see `check`),
+    but for commits of a fenced-off generation (storage/generation.py)."""
+    record = generations.read(store)
+    return [p for p in step_dirs(store) if store.fs.exists(f"{p}/{META}") and accepted(record, p)]
 
 
 def uncommitted(root: Store | str | os.PathLike) -> list[str]:
@@ -154,7 +196,13 @@ def latest(root: Store | str | os.PathLike) -> Checkpoint | None:
     """The newest committed, complete checkpoint; uncommitted steps are passed over, and corrupt
     committed ones too, with a warning."""
     store = as_store(root)
-    for path in reversed(step_dirs(store)):
+    paths = step_dirs(store)
+    record = generations.read(store) if paths else None
+    for path in reversed(paths):
+        if not accepted(record, path):
+            if store.fs.exists(f"{path}/{META}"):
+                log.warning("skipping checkpoint %s: committed by a fenced-off generation", store.url_of(path))
+            continue
         try:
             return check(store, path)
         except ValueError as err:
@@ -179,13 +227,15 @@ def best(root: Store | str | os.PathLike, paths: list[str] | None = None) -> Che
     return min(found, key=lambda c: (c.meta["val_loss"], -c.step), default=None)
 
 
-def retain(store: Store, keep: int, keep_best: bool = False) -> list[str]:
-    """After a commit (no other save in flight): delete every uncommitted directory, and all but
-    the newest `keep` committed ones (0: keep all) and, with `keep_best`, the one with the
-    lowest val_loss (`best`). Returns what was deleted."""
+def retain(store: Store, keep: int, keep_best: bool = False, generation: int | None = None) -> list[str]:
+    """After a commit (no other save in flight): delete every uncommitted directory (and every
+    commit of a fenced-off generation), and all but the newest `keep` committed ones (0: keep
+    all) and, with `keep_best`, the one with the lowest val_loss (`best`). Directories of a
+    newer generation than the caller's `generation` are left alone. Returns what was deleted."""
     gone = []
-    paths = step_dirs(store)
-    done = [p for p in paths if store.fs.exists(f"{p}/{META}")]
+    record = generations.read(store)
+    paths = [p for p in step_dirs(store) if generation is None or generation_of(p) <= generation]
+    done = [p for p in paths if store.fs.exists(f"{p}/{META}") and accepted(record, p)]
     gone += [p for p in paths if p not in done]
     if keep > 0:
         kept = best(store, done) if keep_best else None

@@ -42,6 +42,7 @@ from rayhybrid.models.layers import tied_names
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.store import Store, one_line, open_store
 from rayhybrid.trainer import upload
+from rayhybrid.trainer.fence import Fence
 from rayhybrid.trainer.results import RestoreResult, SaveResult
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,9 @@ class Checkpoints:
         async_saves = self.cfg.async_save and self.cfg.every > 0
         self.upload_group = dist.new_group(backend="gloo") if async_saves else None
         self.saver: Saver | None = None
+        # The run's generation this rank joined: its checkpoints go to that generation's
+        # directories, and rank 0 commits only while it is current (trainer/fence.py).
+        self.fence = Fence(trainer.generation or 0, exits=trainer.generation is not None)
 
     def save(self, root: str, keep: int, die_after_write: bool = False) -> SaveResult:
         """Save the trainer's current step under `root` (a path or URL); with any earlier
@@ -199,7 +203,7 @@ class Checkpoints:
         if self.saver is None or self.saver.root != root or self.saver.keep != keep:
             self.close()
             self.saver = Saver(
-                self.trainer, root, ck.storage_options, keep, ck.async_save, ck.keep_best, self.upload_group
+                self.trainer, root, ck.storage_options, keep, ck.async_save, ck.keep_best, self.upload_group, self.fence
             )
         return self.saver.save(trainer_meta(self.trainer), die_after_write)
 
@@ -246,8 +250,10 @@ class Saver:
         async_save: bool,
         keep_best: bool = False,
         upload_group: dist.ProcessGroup | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.trainer = trainer
+        self.fence = fence or Fence()  # the generation whose directories it writes, checked before a commit
         self.root = root
         self.store = open_store(root, options, setting="checkpoint.dir")
         self.keep = keep
@@ -269,11 +275,12 @@ class Saver:
         start = time.perf_counter()
         finished = self.wait()  # the next save waits for the previous one
         waited_s = time.perf_counter() - start
-        step = trainer.step
+        step, generation = trainer.step, self.fence.generation
+        meta = {**meta, "generation": generation}
         if self.rank == 0:
-            path = checkpoint_store.begin(store, step)
+            path = checkpoint_store.begin(store, step, generation)
         else:
-            path = store.join(checkpoint_store.name_for(step))
+            path = store.join(checkpoint_store.name_for(step, generation))
         dist.barrier(group=self.group)  # nothing left of an earlier save of this step
         state, _ = state_dict(trainer)
         out = writer(store, path, die_after_write)
@@ -283,8 +290,9 @@ class Saver:
             with _as_exception():
                 dcp.save(state, storage_writer=out, process_group=self.group)  # every rank's data and .metadata
             if self.rank == 0:
+                self.fence.check(store, f"step {step}")
                 checkpoint_store.commit(store, path, meta)
-                checkpoint_store.retain(store, self.keep, self.keep_best)
+                checkpoint_store.retain(store, self.keep, self.keep_best, generation)
             end = time.perf_counter()
             return dataclasses.replace(record, blocked_s=end - start, upload_s=end - written, finished=tuple(finished))
         planned = upload.plan(state, out, self.upload_group)  # the plans exchanged; a CPU copy of the data
@@ -293,7 +301,17 @@ class Saver:
         record = dataclasses.replace(record, blocked_s=staged - start)
         # A module-level function holding nothing of the trainer: see rayhybrid/trainer/upload.py.
         self._inflight = self._pool.submit(
-            _finish, planned, out, self.store, path, meta, record, staged, self._abandon, self.keep, self.keep_best
+            _finish,
+            planned,
+            out,
+            self.store,
+            path,
+            meta,
+            record,
+            staged,
+            self._abandon,
+            (self.keep, self.keep_best),
+            self.fence,
         )
         return dataclasses.replace(record, finished=tuple(finished))
 
@@ -325,11 +343,13 @@ def _finish(
     record: SaveResult,
     staged: float,
     abandon: upload.Abandon,
-    keep: int,
-    keep_best: bool,
+    retention: tuple[int, bool],
+    fence: Fence,
 ) -> SaveResult:
     """In the upload thread: write this rank's data; rank 0 then commits once every rank's data
-    and DCP's .metadata are in the store, unless the save was abandoned meanwhile."""
+    and DCP's .metadata are in the store, unless the save was abandoned meanwhile or the run
+    moved on to a newer generation (`fence`: this rank is a zombie; a worker exits there).
+    `retention`: checkpoint.keep and keep_best."""
     abandoned = dataclasses.replace(record, error="abandoned: the process group it was written by failed")
     try:
         upload.upload(planned, out, store, path, abandon)
@@ -339,8 +359,9 @@ def _finish(
         return dataclasses.replace(record, error=one_line(err))
 
     def commit() -> None:
+        fence.check(store, f"step {record.step}")
         checkpoint_store.commit(store, path, meta)
-        checkpoint_store.retain(store, keep, keep_best)
+        checkpoint_store.retain(store, *retention, fence.generation)
 
     if planned.rank == 0:
         try:

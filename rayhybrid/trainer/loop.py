@@ -45,8 +45,9 @@ class Trainer:
     the step. It owns the passes of a batch through its stages (trainer/passes.py), held-out
     evaluation (trainer/evaluation.py) and its checkpoints (trainer/checkpoint.py)."""
 
-    def __init__(self, cfg: Config, *, rank: int, device: torch.device) -> None:
+    def __init__(self, cfg: Config, *, rank: int, device: torch.device, generation: int | None = None) -> None:
         self.cfg = cfg
+        self.generation = generation  # the run's, given by the worker (trainer/fence.py); None: no driver
         t = cfg.topology
         torch.manual_seed(cfg.seed)
         self.layout = Layout.of(cfg)

@@ -29,8 +29,10 @@ never committed. The files written are DCP's own layout: `load` reads them as be
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +48,9 @@ RESULTS = "__results_{rank}.pkl"
 POLL_S = (0.05, 1.0)
 """Rank 0 lists the checkpoint's directory this often while it waits for the others (first,
 most: the wait doubles)."""
+DELAY_ENV = "RAYHYBRID_TEST_UPLOAD_DELAY_S"
+"""A slow store, for tests (tests/test_fencing.py): each rank's upload thread waits this many
+seconds before it writes. Unset everywhere else."""
 
 
 class Abandoned(RuntimeError):
@@ -137,6 +142,7 @@ def upload(planned: Planned, writer, store: Store, path: str, abandon: Abandon) 
     """In the upload thread: write this rank's data and its write results; on rank 0, wait for
     every rank's results, then write `.metadata`. Raises `Abandoned` (rank 0) when the save
     is abandoned first."""
+    time.sleep(float(os.environ.get(DELAY_ENV) or 0))
     written = writer.write_data(planned.plan, _Staged(planned.staged))
     written.wait()
     results = written.value()
