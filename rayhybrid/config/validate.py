@@ -51,6 +51,7 @@ def _positive(cfg: Config) -> None:
         ("checkpoint", "every"),
         ("checkpoint", "keep"),
         ("fault", "max_restarts"),
+        ("fault", "standby"),
         ("elastic", "max_dp"),
         ("eval", "every"),
     ):
