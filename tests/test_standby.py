@@ -73,7 +73,9 @@ def killed_rank(tmp_path: Path, name: str, standby: int) -> tuple[dict, Path, di
     """dp2 with `fault.standby=standby`, rank 1 SIGKILLed once a standby is warm (with
     standbys) or after step 3 (without): the summary, the run dir and the standbys before."""
     run_dir = tmp_path / name
-    thread, result = in_background(["+topology=dp2", *COMMON, f"train.steps={STEPS}", f"fault.standby={standby}"], run_dir)
+    thread, result = in_background(
+        ["+topology=dp2", *COMMON, f"train.steps={STEPS}", f"fault.standby={standby}"], run_dir
+    )
     when_step(run_dir, 3)
     before = warm_standbys() if standby else {}
     signal_rank(run_dir, 1, signal.SIGKILL)

@@ -100,6 +100,7 @@ def bundle_gpus(strategy, count: int) -> list[str] | None:
 class _Standby:
     actor: object
     name: str
+    node: str
     probe: object
     """The last call asked of it (`warm`, then pings): its answer says it is alive; its error, dead."""
     pid: int | None = None
@@ -196,7 +197,7 @@ class Standbys:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
             max_restarts=0,
         ).remote(cfg, 0, 1)
-        return _Standby(actor, name, actor.warm.remote())
+        return _Standby(actor, name, node, actor.warm.remote())
 
     def _alive(self, standby: _Standby) -> bool | None:
         """True when its last call answered, False when it failed (dead), None while it is out;
@@ -208,7 +209,9 @@ class Standbys:
             pid = ray.get(standby.probe)
         except RayError:
             return False
-        standby.pid = standby.pid or pid
+        if standby.pid is None:
+            standby.pid = pid
+            log.info("warm standby %s ready on node %s (pid %d)", standby.name, standby.node[:8], pid)
         if time.monotonic() - standby.asked_at > PROBE_EVERY_S:
             standby.probe, standby.asked_at = standby.actor.ping.remote(), time.monotonic()
         return True
