@@ -18,7 +18,7 @@ RECOVERY = [
     "train.micro_batch_size=2",
     "data.seq_len=32",
     "checkpoint.every=3",
-    "train.steps=16",
+    "train.steps=30",  # the kills wait for the warm standby: its imports take seconds on a busy machine
     "train.log_every=100",
 ]
 
@@ -188,6 +188,15 @@ def section(r: dict) -> str:
     heal, ray_train = cases.get("peer heal", {}), theirs.get("kill_to_first_step_s")
     if heal.get("kill_to_next_step_s") and ray_train:
         out += f"Ray Train takes {ray_train / heal['kill_to_next_step_s']:.1f}x as long as a peer heal.\n\n"
+    cold = cases.get("peer heal, no standby", {})
+    if heal.get("init_s") and cold.get("init_s"):
+        out += (
+            f"A warm standby taking the rank over: init {fmt(heal['init_s'])} s against {fmt(cold['init_s'])} s for "
+            f"a new process ({heal['init_s'] / cold['init_s']:.2f}x), kill to next step "
+            f"{fmt(heal.get('kill_to_next_step_s'), 1)} s against {fmt(cold.get('kill_to_next_step_s'), 1)} s, "
+            "in this invocation. The node killed outright loses its standby with it: its rank starts anew "
+            "on the spare node.\n\n"
+        )
     return out
 
 

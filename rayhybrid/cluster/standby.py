@@ -148,7 +148,7 @@ class Standbys:
         gpus = bundle_gpus(reservation.strategy(slot, missing[0]), len(taken))
         if gpus is None or len(gpus) != len(taken):
             for actor in taken:
-                ray.kill(actor, no_restart=True)
+                _kill(actor)
             return {}
         for actor, gpu in zip(taken, gpus, strict=True):
             actor.adopt.remote((gpu,))  # before the join's calls: an actor runs its calls in order
@@ -162,6 +162,7 @@ class Standbys:
         for standby in sorted(self.pool.get(node_id, []), key=lambda s: s.pid is None):
             if self._alive(standby) is False:
                 self.pool[node_id].remove(standby)
+                _kill(standby.actor)
             else:
                 alive.append(standby)
         if not alive or (every and len(alive) < count):
@@ -185,6 +186,7 @@ class Standbys:
         for standbys in self.pool.values():
             for standby in [s for s in standbys if self._alive(s) is False]:
                 standbys.remove(standby)
+                _kill(standby.actor)  # dead, or alive with its warm-up failed
                 self._due = True
                 self._failed_starts = 0 if standby.pid else self._failed_starts + 1
                 log.warning("warm standby %s (pid %s) died; starting another", standby.name, standby.pid or "warming")
@@ -233,6 +235,10 @@ class Standbys:
     def stop(self) -> None:
         """Kill every standby (at shutdown)."""
         for standby in itertools.chain.from_iterable(self.pool.values()):
-            with contextlib.suppress(RayError):
-                ray.kill(standby.actor, no_restart=True)
+            _kill(standby.actor)
         self.pool.clear()
+
+
+def _kill(actor) -> None:
+    with contextlib.suppress(RayError):
+        ray.kill(actor, no_restart=True)
