@@ -17,17 +17,28 @@ import ray
 from test_recovery import in_background, losses, signal_rank, when_step
 
 import rayhybrid
-from rayhybrid.cluster.standby import NAME_PREFIX
+from rayhybrid.cluster.placement import ReplicaShape
+from rayhybrid.cluster.reservation import Reservation
+from rayhybrid.cluster.standby import NAME_PREFIX, Standbys, adoptable
+from rayhybrid.cluster.worker import CONTROL, TrainWorker
+from rayhybrid.preflight import load_config
 
 pytestmark = pytest.mark.slow  # Ray and several processes
 
-COMMON = ["train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=32", "checkpoint.every=0"]
+# This module's Ray declares 2 GPUs (for the GPU ids a standby takes over); the runs train on the CPU.
+COMMON = [
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "data.seq_len=32",
+    "checkpoint.every=0",
+    "cluster.use_gpu=false",
+]
 STEPS = 300  # steps of 0.04 s: long enough for a standby to be ready (its imports: seconds)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
 
@@ -135,3 +146,38 @@ def test_standby_killed_while_taking_over(tmp_path, reference):
     assert 1 <= summary["restarts"] <= 2
     assert pids(run_dir)[1] not in (killed, *standbys.values())
     assert losses(run_dir) == pytest.approx(reference, rel=1e-5)
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    def gpus(self) -> list[str]:
+        return [str(g) for g in ray.get_gpu_ids()]
+
+
+def test_standby_takes_the_gpu_ray_frees_in_the_bundle():
+    """A stage's bundle of 2 GPUs (Ray's ids; none exists here), each held by a rank; one rank
+    is killed: the standby that takes its place reports the GPU Ray freed in the bundle as its
+    own, and picks its device among the node's GPUs by it, CUDA untouched (`placement`)."""
+    reservation = Reservation(ReplicaShape(pp=1, tp=2, use_gpu=True, cpus_per_rank=0.5), 1)
+    assert reservation.reserve(1, 60) == [0]
+    pool = Standbys(ray.remote(concurrency_groups={CONTROL: 1})(adoptable(TrainWorker)), 1)
+    try:
+        ranks = [Rank.options(num_gpus=1, scheduling_strategy=reservation.strategy(0, i)).remote() for i in range(2)]
+        held = [ray.get(r.gpus.remote(), timeout=60) for r in ranks]
+        assert sorted(held) == [["0"], ["1"]]
+        ray.kill(ranks[1], no_restart=True)
+        node = reservation.node_of(0, 1)
+        for _ in range(2):  # standbys start from the second training call on
+            pool.tick(lambda: (load_config(["cluster.use_gpu=false"]), None, [node]))
+        (standby,) = pool.pool[node]
+        ray.get(standby.probe, timeout=120)  # warm
+        taken = pool.take_for(reservation, 0, [1])
+        assert list(taken) == [1]
+        seen = ray.get(taken[1].placement.remote(("0", "1")), timeout=60)
+        assert seen["gpu_ids"] == held[1]
+        assert seen["device"] == f"cuda:{held[1][0]}" and seen["cuda_visible_devices"] == "0,1"
+        assert seen["cuda_initialized"] is False
+        ray.kill(taken[1], no_restart=True)
+    finally:
+        pool.stop()
+        reservation.release()
