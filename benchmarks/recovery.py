@@ -89,7 +89,9 @@ def _uploading(rank: int):
     def strike(run: common.Run) -> float:
         run.wait_for_line(READY)  # then the first upload after it
         seen = len(run.output)
-        while not any(line.startswith("checkpoint step") and ": training blocked" in line for line in run.output[seen:]):
+        while not any(
+            line.startswith("checkpoint step") and ": training blocked" in line for line in run.output[seen:]
+        ):
             if run.proc.poll() is not None:
                 raise RuntimeError(f"the run ended before an upload:\n{''.join(run.output[-30:])}")
             time.sleep(0.01)
