@@ -78,7 +78,9 @@ def adoptable(cls: type) -> type:
             this process reports them as its own from now on (`own_gpus`)."""
             os.environ[ADOPTED_GPUS] = ",".join(gpu_ids)
 
-    Standby.__name__ = Standby.__qualname__ = cls.__name__  # named as the rank's class in Ray's listings
+    # Named as the rank's class in Ray's listings; its qualified name stays a local one, so that
+    # cloudpickle ships the class itself (one found by name would be shipped as that name).
+    Standby.__name__ = cls.__name__
     return Standby
 
 
