@@ -24,8 +24,8 @@ and GPU, which nothing but rayhybrid's actors can be placed in, so the standby c
 resources Ray keeps for it. Its GPU ids are the ones Ray frees in that bundle: a task asking
 for that many GPUs in the bundle (`num_cpus=0`) reads them (`bundle_gpus`), and the standby sees
 them from its next join on (`adopt`, `worker.ADOPTED_GPUS`; `_join` sets CUDA_VISIBLE_DEVICES
-before CUDA starts). A standby's cost: the memory of an idle process with torch imported (about
-0.4 GB of host memory on CPU), and one process start's CPU after each use, paid in the
+before CUDA starts). A standby's cost: the memory of an idle process with torch imported (0.40 GB
+resident on CPU, 0.26 GB of it its own), and one process start's CPU after each use, paid in the
 background once the run has trained a step again (`tick`)."""
 
 from __future__ import annotations
