@@ -18,21 +18,23 @@ RECOVERY = [
     "train.micro_batch_size=2",
     "data.seq_len=32",
     "checkpoint.every=3",
-    "train.steps=10",
+    "train.steps=30",  # the kills wait for the warm standby: its imports take seconds on a busy machine
     "train.log_every=100",
 ]
 
 
 def run(tmp: Path, quick: bool) -> dict:
     """Kill to the first step after it, broken down, in one invocation: dp2_pp2_tp2 with rank 5
-    SIGKILLed after step 5, healed from its peer (the default) and restored from the checkpoint
-    (fault.heal=false); rank 3 SIGKILLed while step 6's checkpoint uploads; rank 5 stopped
+    SIGKILLed after step 5 once the warm standby is ready, healed from its peer (the default),
+    the same without standbys (fault.standby=0), and restored from the checkpoint
+    (fault.heal=false); rank 3 SIGKILLed while a checkpoint uploads; rank 5 stopped
     (SIGSTOP, fault.step_timeout_s=5); a node killed outright (dp2 on a 2-node Cluster); and Ray
     Train with FailureConfig (8 DDP workers, a checkpoint every step)."""
     cases = {
         "peer heal": _recovery_case(tmp / "heal", [], _after_step(5, 5)),
+        "peer heal, no standby": _recovery_case(tmp / "cold", ["fault.standby=0"], _after_step(5, 5, standby=False)),
         "checkpoint restore": _recovery_case(tmp / "restore", ["fault.heal=false"], _after_step(5, 5)),
-        "upload in flight": _recovery_case(tmp / "upload", [], _uploading(6, 3)),
+        "upload in flight": _recovery_case(tmp / "upload", [], _uploading(3)),
         "stopped rank": _recovery_case(tmp / "stop", ["fault.step_timeout_s=5"], _after_step(5, 5, signal.SIGSTOP)),
         "node killed outright": _node_outright(tmp / "node"),
     }
@@ -67,17 +69,32 @@ RECORD = (
 )
 
 
-def _after_step(step: int, rank: int, sig: int = signal.SIGKILL):
+READY = "ready on node"  # the log line of a warm standby ready (rayhybrid/cluster/standby.py)
+
+
+def _after_step(step: int, rank: int, sig: int = signal.SIGKILL, standby: bool = True):
+    """After step `step` and (`standby`) once the warm standbys are ready (their imports take
+    seconds after the first step), `sig` to rank `rank`."""
+
     def strike(run: common.Run) -> float:
         run.wait_for_step(step)
+        if standby:
+            run.wait_for_line(READY)
         return run.signal_rank(rank, sig)
 
     return strike
 
 
-def _uploading(step: int, rank: int):
+def _uploading(rank: int):
     def strike(run: common.Run) -> float:
-        run.wait_for_line(f"checkpoint step {step}: training blocked")
+        run.wait_for_line(READY)  # then the first upload after it
+        seen = len(run.output)
+        while not any(
+            line.startswith("checkpoint step") and ": training blocked" in line for line in run.output[seen:]
+        ):
+            if run.proc.poll() is not None:
+                raise RuntimeError(f"the run ended before an upload:\n{''.join(run.output[-30:])}")
+            time.sleep(0.01)
         return run.signal_rank(rank, signal.SIGKILL)
 
     return strike
@@ -132,7 +149,9 @@ def section(r: dict) -> str:
         "## 4. Recovery: a rank or node lost, to the first step after it\n\nrayhybrid: dp2_pp2_tp2 (8 ranks), "
         "a checkpoint every 3 steps; rank 5 SIGKILLed after step 5 (healed from its data-parallel peer, the "
         "default, and with `fault.heal=false` restored from the checkpoint of step 3), rank 3 SIGKILLed while "
-        "step 6's checkpoint uploads, rank 5 stopped with SIGSTOP (`fault.step_timeout_s=5`); and dp2 on a "
+        "a checkpoint uploads, rank 5 stopped with SIGSTOP (`fault.step_timeout_s=5`); each once the warm "
+        "standby (`fault.standby=1`, the default) is ready, so the replacement is the standby's process, and "
+        "the peer heal once more with `fault.standby=0` (a new process started and importing); and dp2 on a "
         "2-node `Cluster` (health checks every 1 s, 3 failures) whose node of rank 0 dies outright after "
         "step 4 while a spare node comes up. Ray Train: 8 DDP workers, `FailureConfig(max_failures=1)`, a "
         "checkpoint reported every step, worker 5 killed after step 5's checkpoint is committed; Ray Train "
@@ -169,6 +188,15 @@ def section(r: dict) -> str:
     heal, ray_train = cases.get("peer heal", {}), theirs.get("kill_to_first_step_s")
     if heal.get("kill_to_next_step_s") and ray_train:
         out += f"Ray Train takes {ray_train / heal['kill_to_next_step_s']:.1f}x as long as a peer heal.\n\n"
+    cold = cases.get("peer heal, no standby", {})
+    if heal.get("init_s") and cold.get("init_s"):
+        out += (
+            f"A warm standby taking the rank over: init {fmt(heal['init_s'])} s against {fmt(cold['init_s'])} s for "
+            f"a new process ({heal['init_s'] / cold['init_s']:.2f}x), kill to next step "
+            f"{fmt(heal.get('kill_to_next_step_s'), 1)} s against {fmt(cold.get('kill_to_next_step_s'), 1)} s, "
+            "in this invocation (a 2-core machine shared with other work: compare within this table). The node "
+            "killed outright loses its standby with it: its rank starts anew on the spare node.\n\n"
+        )
     return out
 
 

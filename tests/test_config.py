@@ -131,6 +131,7 @@ def test_loss_parallel_from_the_command_line(value, vocab, expected):
         (["data=text"], "data.path", ["data.path"]),
         (["data=text", "data.path=/nonexistent/*.txt"], "data.path", ["no text file"]),
         (["cluster.use_gpu=maybe"], "cluster.use_gpu", ["auto"]),
+        (["fault.standby=-1"], "fault.standby", ["negative", "0 (off)"]),
         # topology.dp_shard=N (HSDP): N divides dp, is not negative, is a bool or an integer.
         (["topology.dp=4", "topology.dp_shard=3"], "topology.dp_shard", ["does not divide topology.dp=4", "1, 2, 4"]),
         (["topology.dp=2", "topology.dp_shard=4"], "topology.dp_shard", ["does not divide topology.dp=2"]),

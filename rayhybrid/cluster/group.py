@@ -213,6 +213,7 @@ class WorkerGroup:
         """Run `steps` optimizer steps on every rank; returns each step's result, merged.
         A call that makes no progress for `timeout_s` counts as a failed (hung) worker.
         `inject`: a `fault.inject` fault for one rank to trigger at the start of the call."""
+        self.spawner.tick(self.cfg, self.slots)  # warm standbys started or replaced, in the background
         results = self.remote_calls.get(self._on_every_rank("train", inject, steps), timeout_s=timeout_s, what="step")
         return merge_steps(results, self.dp, self.layout.topology.replica_size)
 
@@ -272,6 +273,7 @@ class WorkerGroup:
             except (RayError, TimeoutError):  # dead or hung workers: they are killed below
                 pass
         stop(workers)
+        self.spawner.standbys.stop()
         self.reservation.release()
         self.remote_calls.forget()
         self._state = GroupState(self.cfg)

@@ -58,6 +58,11 @@ class Reservation:
             nodes += [n for n in table.get("bundles_to_node_id", {}).values() if n and n not in nodes]
         return nodes
 
+    def node_of(self, slot: int, local: int) -> str | None:
+        """The node of the bundle of position `local` (stage-major) of the replica in `slot`."""
+        table = ray.util.placement_group_table(self._groups[slot])
+        return table.get("bundles_to_node_id", {}).get(local // self.shape.tp)
+
     def wait_placed(self, slots, timeout_s: float) -> set[int]:
         """Wait until the placement groups of `slots` are placed (again: Ray places the bundles
         of a dead node elsewhere when the cluster has room); returns the slots still not placed

@@ -10,6 +10,7 @@ from rayhybrid.cluster.connect import inherited_env
 from rayhybrid.cluster.drain import stop
 from rayhybrid.cluster.placement import ReplicaShape
 from rayhybrid.cluster.reservation import Reservation
+from rayhybrid.cluster.standby import Standbys, adoptable
 from rayhybrid.cluster.worker import CONTROL, TrainWorker
 from rayhybrid.config.schema import Config
 from rayhybrid.config.topology import Layout
@@ -25,8 +26,10 @@ class Spawner:
     ) -> None:
         self.shape = shape
         self.reservation = reservation
-        # The actor class (a test may probe with another), answering pings while it trains.
-        self.actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(actor_cls)
+        # The actor class (a test may probe with another), answering pings while it trains;
+        # its warm standbys (fault.standby) are of the same class.
+        self.actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(adoptable(actor_cls))
+        self.standbys = Standbys(self.actor_cls, cfg.fault.standby)
         # The driver's storage settings (AWS_*, GOOGLE_*, ...), for nodes started without them;
         # not those a local Ray's workers inherited already: an actor with no runtime
         # environment can take one of the worker processes Ray started ahead, instead of a new one.
@@ -48,15 +51,30 @@ class Spawner:
         try:
             for slot in slots:
                 actors = list(replicas.get(slot, (None,) * size))
-                for local, actor in enumerate(actors):
-                    if actor is None:
-                        actors[local] = self._spawn(cfg, slot, local, runtime_env)
+                for missing in self._missing(actors):  # per pipeline stage (bundle)
+                    taken = self.standbys.take_for(self.reservation, slot, missing)
+                    for local in missing:
+                        actors[local] = taken.get(local) or self._spawn(cfg, slot, local, runtime_env)
                         new.append(actors[local])
                 out[slot] = tuple(actors)
         except BaseException:
             stop(new)
             raise
         return out
+
+    def _missing(self, actors: list) -> list[list[int]]:
+        """The positions without an actor in `actors` (a replica's), by pipeline stage."""
+        tp = self.shape.tp
+        stages = [
+            [local for local in range(stage, stage + tp) if actors[local] is None]
+            for stage in range(0, len(actors), tp)
+        ]
+        return [missing for missing in stages if missing]
+
+    def tick(self, cfg: Config, slots) -> None:
+        """At each training call: the warm standbys replaced where used or dead, in the
+        background (`Standbys.tick`), on the nodes of the replicas in `slots`."""
+        self.standbys.tick(lambda: (cfg, code.runtime_env(self.code, self.env), self.reservation.nodes_of(list(slots))))
 
     def _spawn(self, cfg: Config, slot: int, local: int, runtime_env: dict | None):
         """An actor for position `local` (stage-major) of the replica in `slot`, in

@@ -34,8 +34,14 @@ class WorkerInfo:
     gpu_ids: tuple[str, ...]
 
 
+ADOPTED_GPUS = "RAYHYBRID_GPU_IDS"
+"""Set in a warm standby that took a rank's place: the GPU ids of that rank (cluster/standby.py)."""
+
+
 def own_gpus() -> tuple[str, ...]:
-    """The GPU ids Ray gave the calling worker (none on CPU)."""
+    """The GPU ids Ray gave the calling worker (none on CPU), or a standby took over (ADOPTED_GPUS)."""
+    if ADOPTED_GPUS in os.environ:
+        return tuple(g for g in os.environ[ADOPTED_GPUS].split(",") if g)
     return tuple(str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
 
 
@@ -128,7 +134,7 @@ class TrainWorker:
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "gpu_ids": list(own_gpus()),
             "device": str(choice),
             "cuda_visible_devices": choice.cuda_visible_devices,
             "backend": choice.backend,

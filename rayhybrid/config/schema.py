@@ -291,6 +291,10 @@ class FaultConfig:
     """Kinds a random fault is drawn from (rayhybrid/faults/kinds.py's RANDOM_KINDS)."""
     inject_seed: int = 0
     """Seeds the random faults and the ranks drawn for fault.inject entries without a RANK."""
+    standby: int = 1
+    """Warm standby workers per node of the run's ranks: processes started ahead of need, torch,
+    rayhybrid and the model's code imported, holding no CPU or GPU of Ray's, that take a lost
+    rank's place (or a new replica's) at no process start (rayhybrid/cluster/standby.py); 0: off."""
     heal: bool = True
     """Peer healing: after a failure, when every shard of the lost ranks still has a live copy
     on another data-parallel replica, the survivors keep their state in memory and the new

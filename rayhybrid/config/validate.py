@@ -76,6 +76,10 @@ def check(cfg: Config) -> None:
     _float8(cfg)
     _dp_shard(cfg)
     _loss_chunk(tr.loss_chunk)
+    if cfg.fault.standby < 0:
+        raise ConfigError(
+            "fault.standby", f"must not be negative, got {cfg.fault.standby}; set 0 (off) or a count per node"
+        )
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
 
     virtual = Layout.of(cfg).virtual_stages
