@@ -163,6 +163,9 @@ def test_hung_rank_is_detected_by_step_timeout(tmp_path, reference):
     # Found and gone within the 2 s ping and a SIGKILL on its node (it was a 5 s ping, then
     # ray.kill's grace of about 5 s for a process that cannot answer).
     assert summary["recoveries"][0]["teardown_s"] < 5.0, summary["recoveries"][0]
+    # Found by the timeout: the busy ranks were pinged ahead of it, so the stopped one's ping had
+    # waited already (without that, its own 2 s wait came after the 3 s timeout: 5 s or more).
+    assert summary["recoveries"][0]["detect_s"] < 4.6, summary["recoveries"][0]
     assert summary["recoveries"][0]["steps_redone"] == 0  # healed from rank 0
     assert losses(run_dir) == pytest.approx(reference[:9], rel=1e-5)
     with pytest.raises(ProcessLookupError):  # the stopped worker was killed in the teardown

@@ -8,6 +8,7 @@ drain (`drain.py`) ask it through its methods what the last call left behind.
 from __future__ import annotations
 
 import math
+import time
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -18,6 +19,11 @@ from rayhybrid.errors import ConfigError, RankFailed, WorkerError
 # group (they normally take well under a second: the failed rank's closed connections wake
 # them; a killed stopped process takes Ray about 5s to end).
 DRAIN_TIMEOUT_S = 30.0
+
+PING_TIMEOUT_S = 2.0
+"""How long a worker blocked in a collective gets to answer a ping before it counts as hung. The
+ping runs in the worker's control thread, which answers in milliseconds while the main thread
+is blocked in a collective or computing; a stopped or wedged process never does."""
 
 FAILURE_GRACE_S = 1.0
 """Once a rank's call has failed, how long to wait for the other ranks' outcomes before naming
@@ -32,20 +38,28 @@ class Calls:
     def __init__(self) -> None:
         self._inflight: list = []
         self._hung = False
+        self._probes: dict[int, tuple] = {}
 
     @property
     def hung(self) -> bool:
         """Whether the last call failed by making no progress."""
         return self._hung
 
-    def get(self, refs: list, timeout_s: float | None = None, what: str = "call") -> list:
+    @property
+    def probes(self) -> dict[int, tuple]:
+        """rank -> (ping ref, when sent) of the pings sent ahead of a hung call's timeout."""
+        return self._probes
+
+    def get(self, refs: list, timeout_s: float | None = None, what: str = "call", probe=None) -> list:
         """`ray.get` that fails fast, naming the rank that failed first (`first_failure`), or the
-        first rank still busy when no rank has finished for `timeout_s`."""
-        self._inflight, self._hung = refs, False
+        first rank still busy when no rank has finished for `timeout_s`. `probe(ranks)` (rank ->
+        ping ref): pinged ahead of that timeout (`_wait`), so the drain knows at once which
+        busy ranks do not answer."""
+        self._inflight, self._hung, self._probes = refs, False, {}
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            ready, pending = self._wait(pending, timeout_s, probe, rank_of)
             if not ready:
                 self._hung = True
                 raise WorkerError(
@@ -62,6 +76,20 @@ class Calls:
                 except RayActorError:
                     raise first_failure(_failures(refs)) from None
         return ray.get(refs)
+
+    def _wait(self, pending: list, timeout_s: float | None, probe, rank_of: dict) -> tuple[list, list]:
+        """`ray.wait` for one more of `pending` within `timeout_s`; with `probe`, the ranks still
+        busy are pinged PING_TIMEOUT_S (at most half the timeout) before it ends, so that a hung
+        call's stopped ranks are known by the timeout, not a ping's wait after it."""
+        if probe is None or timeout_s is None:
+            return ray.wait(pending, num_returns=1, timeout=timeout_s)
+        ahead = min(PING_TIMEOUT_S, timeout_s / 2)
+        ready, rest = ray.wait(pending, num_returns=1, timeout=timeout_s - ahead)
+        if ready:
+            return ready, rest
+        sent = time.perf_counter()
+        self._probes = {rank: (ref, sent) for rank, ref in probe([rank_of[r] for r in rest]).items()}
+        return ray.wait(rest, num_returns=1, timeout=ahead)
 
     def busy(self) -> list[int]:
         """The ranks whose part of the last call has not ended."""
@@ -91,7 +119,8 @@ class Calls:
     def settle(self, extra: list = ()) -> None:
         """Forget the last call, collecting its outcome and that of `extra` refs (all have
         ended or their actor is gone), so Ray does not report the expected errors as unhandled."""
-        refs, self._inflight = [*self._inflight, *extra], []
+        refs, self._inflight = [*self._inflight, *extra, *(ref for ref, _ in self._probes.values())], []
+        self._probes = {}
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
         for ref in done:
             try:
@@ -101,7 +130,7 @@ class Calls:
 
     def forget(self) -> None:
         """Drop the last call without waiting on it (its workers are stopped)."""
-        self._inflight = []
+        self._inflight, self._probes = [], {}
 
 
 def _failures(refs: list) -> list[tuple[int, str, float | None]]:

@@ -18,16 +18,12 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rayhybrid.cluster.calls import DRAIN_TIMEOUT_S, Calls
+from rayhybrid.cluster.calls import DRAIN_TIMEOUT_S, PING_TIMEOUT_S, Calls
 from rayhybrid.cluster.placement import dead_nodes, wait_for_node_verdicts
 from rayhybrid.cluster.state import GroupState
 
 log = logging.getLogger("rayhybrid.cluster.group")
 
-# How long a worker blocked in a collective gets to answer a ping before it counts as hung. The
-# ping runs in the worker's control thread, which answers in milliseconds while the main thread
-# is blocked in a collective or computing; a stopped or wedged process never does.
-PING_TIMEOUT_S = 2.0
 # How long the drain waits for a SIGKILL sent through a hung worker's node (a frozen node never
 # runs it: `ray.kill` and the node's health checks take over).
 SIGKILL_WAIT_S = 1.0
@@ -59,7 +55,7 @@ def drain(state: GroupState, calls: Calls) -> tuple[Drained, GroupState]:
     topo, workers, infos = state.layout.topology, state.workers, state.infos
     closing = close_rendezvous(state.store_host)
     start = time.perf_counter()
-    hung = unresponsive(workers, calls.busy()) if calls.hung else set()
+    hung = unresponsive(workers, calls.busy(), calls.probes) if calls.hung else set()
     found_s = time.perf_counter() - start
     alive = sigkill([infos[rank] for rank in hung])  # their connections close: blocked peers fail
     stop([workers[rank] for rank in hung])
@@ -131,10 +127,20 @@ def close_rendezvous(host) -> list:
     return [host.close_store.remote()] if host is not None else []
 
 
-def unresponsive(workers: list, busy: list[int]) -> set[int]:
-    """Ranks of `busy` whose process does not answer a ping (stopped, wedged, holding the GIL)."""
-    pings = {rank: workers[rank].ping.remote() for rank in busy}
-    done, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_TIMEOUT_S)
+def pinger(workers: list):
+    """`probe` for `Calls.get`: ranks -> a ping sent to each of `workers` of those ranks."""
+    return lambda ranks: {rank: workers[rank].ping.remote() for rank in ranks}
+
+
+def unresponsive(workers: list, busy: list[int], sent: dict | None = None) -> set[int]:
+    """Ranks of `busy` whose process does not answer a ping within PING_TIMEOUT_S (stopped,
+    wedged, holding the GIL). `sent`: rank -> (ping ref, when sent) of pings sent already
+    (`Calls.probes`, ahead of a step's timeout), whose wait has run that long already."""
+    sent, now = sent or {}, time.perf_counter()
+    pings = {rank: sent[rank][0] if rank in sent else workers[rank].ping.remote() for rank in busy}
+    asked = now if any(rank not in sent for rank in busy) else min((sent[rank][1] for rank in busy), default=now)
+    wait_s = max(0.0, PING_TIMEOUT_S - (now - asked))
+    done, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=wait_s)
     silent = set()
     for rank, ref in pings.items():
         try:

@@ -11,7 +11,7 @@ import ray
 from ray.exceptions import RayError
 
 from rayhybrid.cluster.calls import Calls
-from rayhybrid.cluster.drain import Drained, drain, stop
+from rayhybrid.cluster.drain import Drained, drain, pinger, stop
 from rayhybrid.cluster.merge import merge_steps
 from rayhybrid.cluster.placement import ReplicaShape
 from rayhybrid.cluster.reservation import Reservation
@@ -214,7 +214,8 @@ class WorkerGroup:
         A call that makes no progress for `timeout_s` counts as a failed (hung) worker.
         `inject`: a `fault.inject` fault for one rank to trigger at the start of the call."""
         self.spawner.tick(self.cfg, self.slots)  # warm standbys started or replaced, in the background
-        results = self.remote_calls.get(self._on_every_rank("train", inject, steps), timeout_s=timeout_s, what="step")
+        calls = self._on_every_rank("train", inject, steps)
+        results = self.remote_calls.get(calls, timeout_s=timeout_s, what="step", probe=pinger(self.workers))
         return merge_steps(results, self.dp, self.layout.topology.replica_size)
 
     def save(self, root: str, keep: int, timeout_s: float | None = None, inject: Injection | None = None) -> SaveResult:
