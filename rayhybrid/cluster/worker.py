@@ -61,17 +61,20 @@ def import_trainer() -> None:
             gc.enable()
 
 
-def drop_trainer(trainer, healer: Healer | None, rank: int) -> None:
-    """What a worker does before it lets go of its trainer: on NCCL abort its communicators
-    (rayhybrid/parallel/abort.py), so that nothing, the copy of its state to the host included,
-    waits behind a collective hung on a dead peer; with fault.heal and a `healer`, keep its state
-    there when it is a whole step's (`Trainer.settled`); abandon a save in flight, stop the
-    stream's read-ahead thread and free its batches on the device."""
+def drop_trainer(trainer, healer: Healer | None, rank: int, failed: bool) -> None:
+    """What a worker does before it lets go of its trainer. After a `failed` call: on NCCL abort
+    its communicators (rayhybrid/parallel/abort.py), so that nothing, the copy of its state to
+    the host included, waits behind a collective hung on a dead peer; then, with fault.heal and
+    a `healer`, keep its state there when it is a whole step's (`Trainer.settled`). A clean
+    leave (a rejoin, a resize, the end) aborts nothing: its healthy groups are destroyed as
+    usual. Either way abandon a save in flight, stop the stream's read-ahead thread and free its
+    batches on the device."""
     from rayhybrid.parallel.abort import abort_collectives
 
-    abort_collectives()
-    if healer is not None and trainer.heal and trainer.settled:
-        healer.keep(trainer, rank)
+    if failed:
+        abort_collectives()
+        if healer is not None and trainer.heal and trainer.settled:
+            healer.keep(trainer, rank)
     trainer.close_checkpoints()
     trainer.feed.close()
 
@@ -187,7 +190,7 @@ class TrainWorker:
         (so NCCL can use peer-to-peer links) and picks its own by position. `generation`: the
         run's, which fences off the checkpoint writes of this rank once it is stale (trainer/fence.py).
         """
-        self.reset(keep=False)  # what a failure kept stays kept until the driver says what to do
+        self.reset()  # what a failure kept stays kept until the driver says what to do
         if cfg is not None:
             self.cfg, self.world_size = cfg, Layout.of(cfg).world_size
         if rank is not None:
@@ -302,20 +305,21 @@ class TrainWorker:
         return run
 
     def _guarded(self, fn, *args):
-        """Run `fn`; on failure leave the process group (`reset`) and raise `RankFailed` (`guard.guarded`)."""
-        return guarded(self.reset, self.rank, fn, *args)
+        """Run `fn`; on failure leave the process group (`reset`, failed) and raise `RankFailed` (`guard.guarded`)."""
+        return guarded(lambda: self.reset(failed=True), self.rank, fn, *args)
 
-    def reset(self, keep: bool = True) -> None:
-        """Drop the trainer (`drop_trainer`; `keep`: its state, with fault.heal, when it is a
-        whole step's) and the process groups (`leave_world`); idempotent. A group's connections
-        close only when nothing refers to it any more, hence the collections."""
+    def reset(self, failed: bool = False) -> None:
+        """Drop the trainer (`drop_trainer`; `failed`: after a failed call, abort its
+        communicators and keep its state, with fault.heal, when it is a whole step's) and the
+        process groups (`leave_world`); idempotent. A group's connections close only when
+        nothing refers to it any more, hence the collections."""
         import torch
 
         from rayhybrid.faults import async_collectives
         from rayhybrid.parallel.mesh import leave_world
 
         if self.trainer is not None:
-            drop_trainer(self.trainer, self.healer if keep else None, self.rank)
+            drop_trainer(self.trainer, self.healer, self.rank, failed)
         self.trainer = None
         async_collectives.uninstall()  # fault.nccl_like's test mode, until the next join
         leave_world()
@@ -326,4 +330,4 @@ class TrainWorker:
     def close(self) -> None:
         self.healer.forget()
         self.store = None
-        self.reset(keep=False)
+        self.reset()

@@ -143,10 +143,10 @@ def init_process_group(
     it inside its process group (torch's tcp:// rendezvous)."""
     import torch.distributed as dist
 
+    from rayhybrid.parallel.abort import formed, nccl_error_handling
+
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if select_backend(device) == "nccl":
-        from rayhybrid.parallel.abort import nccl_error_handling
-
         nccl_error_handling()  # a dead peer raises, the survivor keeps its state
     timeout = timedelta(seconds=timeout_s)
     if hosted:
@@ -154,6 +154,7 @@ def init_process_group(
     else:
         kwargs["init_method"] = f"tcp://{master_addr}:{master_port}"
     dist.init_process_group(backend=select_backend(device), rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    formed()  # a new world: one abort may stop it (rayhybrid/parallel/abort.py)
 
 
 def host_store(host: str, world_size: int, port: int = 0, timeout_s: float = COLLECTIVE_TIMEOUT_S):
@@ -258,7 +259,10 @@ def leave_world() -> None:
 
     import torch.distributed as dist
 
+    from rayhybrid.parallel.abort import leaving
+
     if dist.is_initialized():
+        leaving()  # no abort walks the groups while they go (rayhybrid/parallel/abort.py)
         dist.destroy_process_group()
         gc.collect()
         forget_meshes()
