@@ -30,6 +30,8 @@ from rayhybrid.models.llama3.settings import kv_heads
 from rayhybrid.models.registry import settings_of
 from rayhybrid.preflight import load_config, to_run_config
 from rayhybrid.storage import checkpoints as checkpoint_store
+from rayhybrid.storage import generation as generations
+from rayhybrid.storage.generation import Generations
 from rayhybrid.storage.store import Store
 from tests.distributed import checkpoint_then_continue, resume_many, run_configs, run_ranks, train_many
 
@@ -387,6 +389,7 @@ def fake_checkpoint(root: Path, model: dict | None, commit: bool = True) -> str:
     "case, words",
     [
         ("uncommitted", ["--checkpoint", "not a usable checkpoint", "not committed"]),
+        ("fenced", ["--checkpoint", "not a usable checkpoint", "fenced off", "generation 0", "generation 1"]),
         ("empty_root", ["--checkpoint", "holds no committed checkpoint"]),
         ("missing", ["--checkpoint", "does not exist"]),
         ("gpt", ["--checkpoint", "model.name=gpt has no Hugging Face adapter"]),
@@ -409,6 +412,10 @@ def test_export_errors(tmp_path, capsys, case, words):
         checkpoint = fake_checkpoint(tmp_path / "ckpts", {"name": "gpt", "n_layers": 4})
     elif case == "old":
         checkpoint = fake_checkpoint(tmp_path / "ckpts", None)
+    elif case == "fenced":  # generation 0 committed step 3 after the run moved to generation 1
+        checkpoint = fake_checkpoint(tmp_path / "ckpts", {"name": "llama3", "n_layers": 4})
+        generations.publish(Store.open(tmp_path / "ckpts"), Generations(1, {0: None}))
+        assert checkpoint_store.latest(tmp_path / "ckpts") is None  # what a reader of the run takes
     if case == "out_not_empty":
         out.mkdir()
         (out / "config.json").write_text("{}")

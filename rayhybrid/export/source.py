@@ -10,8 +10,9 @@ from rayhybrid.storage.store import one_line, redact_url
 
 
 def find_checkpoint(url: str, options: dict):
-    """The committed checkpoint at `url` (a step directory), or the latest one under it (a
-    checkpoint.dir); ConfigError saying why there is none."""
+    """The committed checkpoint at `url` (a step directory, not fenced off by the run's
+    generation record above it), or the latest one under it (a checkpoint.dir); ConfigError
+    saying why there is none."""
     from rayhybrid.storage import checkpoints as checkpoint_store
     from rayhybrid.storage.store import open_store
 
@@ -28,9 +29,15 @@ def find_checkpoint(url: str, options: dict):
         raise ConfigError("--checkpoint", f"{shown} does not exist")
     if is_step:
         try:
-            return store, checkpoint_store.check(store, store.root)
+            ckpt = checkpoint_store.check(store, store.root)
+            fenced = checkpoint_store.fenced_off(store, store.root)  # the reader's rule, as `latest` applies it
         except ValueError as err:
             raise ConfigError("--checkpoint", f"{shown} is not a usable checkpoint: {err}") from None
+        if fenced:
+            raise ConfigError(
+                "--checkpoint", f"{shown} is not a usable checkpoint: {fenced}; give the run's checkpoint.dir"
+            )
+        return store, ckpt
     ckpt = checkpoint_store.latest(store)
     if ckpt is None:
         raise ConfigError(

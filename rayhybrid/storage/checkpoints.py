@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import re
 from dataclasses import dataclass
 
@@ -177,6 +178,21 @@ def step_dirs(store: Store) -> list[str]:
 def accepted(record: Generations | None, path: str) -> bool:
     """Whether readers take the commit in `path`, by the generation record (None: all)."""
     return record is None or record.accepts(generation_of(path), step_of(path))
+
+
+def fenced_off(store: Store, path: str) -> str | None:
+    """Why readers pass over the commit in `path`, a step directory named directly (an export's
+    --checkpoint), by the generation record in the checkpoint.dir above it; None when they take
+    it (`accepted`: what `latest` and `committed` apply)."""
+    record = generations.read(store, posixpath.dirname(path)) if step_of(path) is not None else None
+    if accepted(record, path):
+        return None
+    mine, newest = generation_of(path), record.accepted.get(generation_of(path))
+    took = "none of its commits" if newest is None else f"its commits up to step {newest}"
+    return (
+        f"fenced off: written by a rank of generation {mine} after the run moved on to generation "
+        f"{record.current} (generation.json accepts {took})"
+    )
 
 
 def committed(store: Store) -> list[str]:

@@ -56,10 +56,11 @@ class Generations:
         return (json.dumps({"generation": self.current, "accepted": accepted}, indent=1) + "\n").encode()
 
 
-def read(store: Store) -> Generations | None:
-    """The record in `store`'s root; None when there is none (generation 0: accept everything)."""
+def read(store: Store, root: str | None = None) -> Generations | None:
+    """The record in `store`'s root (or in `root`, a directory of the store); None when there is
+    none (generation 0: accept everything)."""
     try:
-        data = json.loads(store.read_bytes(store.join(RECORD)))
+        data = json.loads(store.read_bytes(f"{root}/{RECORD}" if root is not None else store.join(RECORD)))
     except FileNotFoundError:
         return None
     accepted = {int(g): (None if s is None else int(s)) for g, s in (data.get("accepted") or {}).items()}
