@@ -162,8 +162,8 @@ class WorkerGroup:
         return drained
 
     def recover(self) -> list[int]:
-        """Drain and rebuild on the same slots (a fixed-size group, as a tuning host keeps);
-        returns the ranks replaced."""
+        """Drain and rebuild on the same slots (a fixed-size group, as a tuning host keeps) under the
+        same generation (tune's trials save no checkpoint: nothing to fence); returns the ranks replaced."""
         drained = self.drain()
         lost = self.wait_placed(drained.broken, self.cfg.cluster.placement_timeout_s)
         if lost:
