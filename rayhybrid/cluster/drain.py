@@ -86,9 +86,10 @@ def drain(state: GroupState, calls: Calls) -> tuple[Drained, GroupState]:
 
 
 def leave(workers: list, skip: set[int]) -> set[int]:
-    """Every worker but those in `skip` leaves its process group (`TrainWorker.reset`); returns
+    """Every worker but those in `skip` leaves its process group after the failure (`TrainWorker.reset`,
+    failed: on NCCL it aborts, and keeps its state for a heal); returns
     the ranks that died meanwhile, or did not leave within DRAIN_TIMEOUT_S, or cannot be reached."""
-    resets = {rank: workers[rank].reset.remote() for rank in range(len(workers)) if rank not in skip}
+    resets = {rank: workers[rank].reset.remote(failed=True) for rank in range(len(workers)) if rank not in skip}
     done, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=DRAIN_TIMEOUT_S)
     gone = set()
     for rank, ref in resets.items():
