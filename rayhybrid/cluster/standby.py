@@ -183,8 +183,8 @@ class Standbys:
         are killed and dropped. The ones taken are the caller's from now on (stopping them
         too); the pool starts others after the run has trained again (`tick`)."""
         standbys = list(self.pool.get(node_id, []))
-        for standby in standbys:
-            self._ask(standby)
+        for standby in [s for s in standbys if self._check(s)]:
+            self._ask(standby)  # a fresh ping, unless one is out already
         alive = sorted(self._answers(standbys, count), key=lambda s: s.pid is None)
         for standby in [s for s in standbys if not self._check(s)]:
             self.pool[node_id].remove(standby)
@@ -203,15 +203,15 @@ class Standbys:
         """Of `standbys` (each with a ping out), those that answer: waits until `count` have,
         or until every ping left is out PING_TIMEOUT_S (a stopped one's: it is then dropped)."""
         while True:
-            answered = [s for s in standbys if s.ping is None or _done(s.ping)]
-            out = [s for s in standbys if s not in answered and self._check(s)]
+            alive = [s for s in standbys if self._check(s)]  # collects the answers
+            answered = [s for s in alive if s.ping is None]
+            out = [s for s in alive if s.ping is not None]
             if len(answered) >= count or not out:
-                break
+                return answered
             left = PING_TIMEOUT_S - (time.monotonic() - max(s.asked_at for s in out))
             if left <= 0:
-                break
+                return answered
             ray.wait([s.ping for s in out], num_returns=1, timeout=left)
-        return [s for s in standbys if self._check(s) and s.ping is None]
 
     def tick(self, nodes: list[str], context) -> None:
         """Called at each training call, after its calls are out: standbys found dead (or whose
