@@ -213,8 +213,8 @@ class WorkerGroup:
         """Run `steps` optimizer steps on every rank; returns each step's result, merged.
         A call that makes no progress for `timeout_s` counts as a failed (hung) worker.
         `inject`: a `fault.inject` fault for one rank to trigger at the start of the call."""
-        self.spawner.tick(self.cfg, self.slots)  # warm standbys started or replaced, in the background
         calls = self._on_every_rank("train", inject, steps)
+        self.spawner.tick(self.cfg, self.infos)  # warm standbys kept, in the background, the step issued
         results = self.remote_calls.get(calls, timeout_s=timeout_s, what="step", probe=pinger(self.workers))
         return merge_steps(results, self.dp, self.layout.topology.replica_size)
 

@@ -29,7 +29,7 @@ class Spawner:
         # The actor class (a test may probe with another), answering pings while it trains;
         # its warm standbys (fault.standby) are of the same class.
         self.actor_cls = ray.remote(concurrency_groups={CONTROL: 1})(adoptable(actor_cls))
-        self.standbys = Standbys(self.actor_cls, cfg.fault.standby)
+        self.standbys = Standbys(self.actor_cls, standby_count(cfg))
         # The driver's storage settings (AWS_*, GOOGLE_*, ...), for nodes started without them;
         # not those a local Ray's workers inherited already: an actor with no runtime
         # environment can take one of the worker processes Ray started ahead, instead of a new one.
@@ -71,10 +71,11 @@ class Spawner:
         ]
         return [missing for missing in stages if missing]
 
-    def tick(self, cfg: Config, slots) -> None:
+    def tick(self, cfg: Config, infos) -> None:
         """At each training call: the warm standbys replaced where used or dead, in the
-        background (`Standbys.tick`), on the nodes of the replicas in `slots`."""
-        self.standbys.tick(lambda: (cfg, code.runtime_env(self.code, self.env), self.reservation.nodes_of(list(slots))))
+        background (`Standbys.tick`), on the nodes of the ranks (`infos`, their `WorkerInfo`)."""
+        nodes = list(dict.fromkeys(info.node_id for info in infos))
+        self.standbys.tick(nodes, lambda: (cfg, code.runtime_env(self.code, self.env)))
 
     def _spawn(self, cfg: Config, slot: int, local: int, runtime_env: dict | None):
         """An actor for position `local` (stage-major) of the replica in `slot`, in
@@ -86,3 +87,11 @@ class Spawner:
             scheduling_strategy=self.reservation.strategy(slot, local),
             max_restarts=0,
         ).remote(cfg, 0, 1)
+
+
+def standby_count(cfg: Config) -> int:
+    """Warm standbys per node (`fault.standby`); none for a run that replaces no rank: one that
+    restarts nothing (`fault.max_restarts=0`) and does not grow (elastic training off)."""
+    if cfg.fault.max_restarts == 0 and not cfg.elastic.enabled:
+        return 0
+    return cfg.fault.standby

@@ -294,7 +294,8 @@ class FaultConfig:
     standby: int = 1
     """Warm standby workers per node of the run's ranks: processes started ahead of need, torch,
     rayhybrid and the model's code imported, holding no CPU or GPU of Ray's, that take a lost
-    rank's place (or a new replica's) at no process start (rayhybrid/cluster/standby.py); 0: off."""
+    rank's place (or a new replica's) at no process start (rayhybrid/cluster/standby.py); 0: off.
+    None start for tuning trials, nor with fault.max_restarts=0 unless elastic.enabled."""
     heal: bool = True
     """Peer healing: after a failure, when every shard of the lost ranks still has a live copy
     on another data-parallel replica, the survivors keep their state in memory and the new

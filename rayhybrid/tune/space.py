@@ -59,6 +59,7 @@ def trial_config(cfg: Config, point: dict) -> Config:
         },
         eval={"every": 0},  # a trial measures training steps; held-out loss is not its concern
         checkpoint={"keep_best": False},  # it needs eval.every
+        fault={"standby": 0},  # a standby's imports would share the CPU with the measured steps
     )
 
 
