@@ -153,6 +153,8 @@ def test_a_partitioned_node_resumes_fenced_off(cluster, reference, tmp_path, mon
     run_dir, root = tmp_path / "run", tmp_path / "ckpts"
     summary = partitioned(cluster, [*COMMON, f"train.steps={STEPS}"], STEPS, run_dir, root, caplog)
     assert summary["status"] == "completed" and summary["restarts"] == 1
+    (recovery,) = summary["recoveries"]  # recorded when the run ends: no step followed it
+    assert recovery["healed"] == "peer" and recovery["first_step_s"] == 0
     assert any("from their data-parallel peers" in r.getMessage() for r in caplog.records)  # rank 1 kept its state
     assert losses(run_dir) == reference[:STEPS]
     # A resume goes on from the last checkpoint as a run never interrupted, under a generation never used.
