@@ -31,6 +31,7 @@ from rayhybrid.storage.store import Store
 from rayhybrid.trainer import checkpoint as ckpt
 from rayhybrid.trainer import upload
 from rayhybrid.trainer.fence import Fence
+from tests.clusters import fenced_line, gone, node_pids, signal_all
 from tests.test_recovery import in_background, losses, when_step
 from tests.test_storage import FakeTrainer, commit_step, gate, gloo, s3, url  # noqa: F401 - fixtures
 
@@ -150,17 +151,40 @@ def test_a_partitioned_node_resumes_fenced_off(cluster, reference, tmp_path, mon
     # replaces it after 5 s rather than 30: the run then restores a checkpoint instead of healing.
     monkeypatch.setattr(drain_module, "DRAIN_TIMEOUT_S", 5.0)
     run_dir, root = tmp_path / "run", tmp_path / "ckpts"
+    summary = partitioned(cluster, [*COMMON, f"train.steps={STEPS}"], STEPS, run_dir, root, caplog)
+    assert summary["status"] == "completed" and summary["restarts"] == 1
+    (recovery,) = summary["recoveries"]  # recorded when the run ends: no step followed it
+    assert recovery["healed"] == "peer" and recovery["first_step_s"] == 0
+    assert any("from their data-parallel peers" in r.getMessage() for r in caplog.records)  # rank 1 kept its state
+    assert losses(run_dir) == reference[:STEPS]
+    # A resume goes on from the last checkpoint as a run never interrupted, under a generation never used.
+    latest = cs.latest(Store.open(root))
+    resumed = rayhybrid.train([*COMMON, f"train.steps={STEPS + 2}", f"checkpoint.dir={root}"], run_dir=tmp_path / "b")
+    assert resumed["status"] == "completed" and resumed["resumed_from"] == latest.path
+    assert generations.read(Store.open(root)).current == 2
+    records = map(json.loads, (tmp_path / "b" / "metrics.jsonl").read_text().splitlines())
+    assert [r["loss"] for r in records if "loss" in r] == reference[STEPS:]
+
+
+def partitioned(cluster, overrides: list[str], steps: int, run_dir: Path, root: Path, caplog) -> dict:
+    """A run of `overrides` (dp >= 2, asynchronous saves, `steps` steps, one rank per node, a
+    spare node, every node's store slowed by `RAYHYBRID_TEST_UPLOAD_DELAY_S`) whose rank 0's
+    node is stopped whole (SIGSTOP) while the final checkpoint uploads; once the run has moved
+    to generation 1, rank 0 alone is continued (its raylet would kill it once told it is dead),
+    then the node. Checks that rank 0 exited without committing and said so, that every
+    checkpoint a reader takes is one the run recorded, and that the last is generation 1's.
+    Returns the run's summary (tests/test_soak.py runs it too)."""
     store = Store.open(root)
-    thread, result = in_background([*COMMON, f"train.steps={STEPS}", f"checkpoint.dir={root}"], run_dir)
-    when_step(run_dir, STEPS)
-    stale_dir = root / cs.name_for(STEPS)
+    thread, result = in_background([*overrides, f"checkpoint.dir={root}"], run_dir)
+    when_step(run_dir, steps)
+    stale_dir = root / cs.name_for(steps)
     workers = json.loads((run_dir / "workers.json").read_text())
     zombie = workers[0]["pid"]
     (node,) = [n for n in cluster.list_all_nodes() if n.node_id == workers[0]["node_id"]]
     frozen = node_pids(node) | {zombie}
-    # The save call has returned: the upload runs in rank 0's background thread (DELAY_S).
-    uploading = f"checkpoint step {STEPS}: training blocked"
-    wait_for(lambda: any(uploading in r.getMessage() for r in caplog.records), 30, "the final upload")
+    # The save call has returned: the upload runs in rank 0's background thread (the delay).
+    uploading = f"checkpoint step {steps}: training blocked"
+    wait_for(lambda: any(uploading in r.getMessage() for r in list(caplog.records)), 30, "the final upload")
     signal_all(frozen, signal.SIGSTOP)  # the node is cut off mid-upload: raylet, agents, rank
     try:
         assert not (stale_dir / upload.RESULTS.format(rank=0)).exists(), "the upload was not in flight"
@@ -182,9 +206,6 @@ def test_a_partitioned_node_resumes_fenced_off(cluster, reference, tmp_path, mon
     assert fenced_line(zombie), "the fenced-off rank said nothing"
     summary = result.get("summary")
     assert summary is not None, result.get("error")
-    assert summary["status"] == "completed" and summary["restarts"] == 1
-    assert any("from their data-parallel peers" in r.getMessage() for r in caplog.records)  # rank 1 kept its state
-    assert losses(run_dir) == reference[:STEPS]
     # Every checkpoint a reader takes is one the run recorded, whole; the last is generation 1's.
     recorded = {
         e["path"]
@@ -194,13 +215,8 @@ def test_a_partitioned_node_resumes_fenced_off(cluster, reference, tmp_path, mon
     kept = cs.committed(store)
     assert kept and set(kept) <= recorded
     latest = cs.latest(store)
-    assert latest.step == STEPS and latest.path == str(root / cs.name_for(STEPS, 1)) and latest.meta["generation"] == 1
-    # A resume goes on from it as a run never interrupted, under a generation never used.
-    resumed = rayhybrid.train([*COMMON, f"train.steps={STEPS + 2}", f"checkpoint.dir={root}"], run_dir=tmp_path / "b")
-    assert resumed["status"] == "completed" and resumed["resumed_from"] == latest.path
-    assert generations.read(store).current == 2
-    records = map(json.loads, (tmp_path / "b" / "metrics.jsonl").read_text().splitlines())
-    assert [r["loss"] for r in records if "loss" in r] == reference[STEPS:]
+    assert latest.step == steps and latest.path == str(root / cs.name_for(steps, 1)) and latest.meta["generation"] == 1
+    return summary
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -209,48 +225,3 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s:g}s for {what}")
         time.sleep(0.02)
-
-
-def node_pids(node) -> set[int]:
-    """Every process of a `Cluster` node: the ones it started (raylet, log monitor, ...) and
-    all their descendants (its agents and workers)."""
-    roots = {info.process.pid for infos in node.all_processes.values() for info in infos if info.process}
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found.add(pid)
-            todo.extend(parents.get(pid, []))
-    return found
-
-
-def signal_all(pids: set[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie its (stopped) parent has not reaped."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def fenced_line(pid: int) -> bool:
-    """Whether the worker `pid` logged its refusal (its stderr file in Ray's session logs)."""
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
-    return any("fenced off" in p.read_text(errors="replace") for p in logs.glob(f"worker-*-{pid}.err"))

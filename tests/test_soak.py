@@ -1,16 +1,21 @@
-"""A fault soak: a seeded random sequence of faults over three runs on one 3-node Cluster.
+"""A fault soak: a seeded random sequence of faults over the runs of one 3-node Cluster.
 
 - fixed dp2_pp2_tp2: kills, a hang, a raise, a kill during a checkpoint save, two faults in
   quick succession (`fault.inject`), and a node killed outright;
 - elastic replicas of tp2: a node removed gracefully and one killed outright, each coming back
   (shrink, then grow), and an injected kill;
-- elastic replicas of pp2: random faults (`fault.inject_rate` with a seed) and a node lost.
+- elastic replicas of pp2: random faults (`fault.inject_rate` with a seed) and a node lost;
+- warm standbys (`fault.standby`), fixed dp2_pp2_tp2: one SIGKILLed from outside while idle (no
+  restart), one SIGKILLed as it takes a lost rank's place (the recovery runs again);
+- fencing (tests/test_fencing.py's `partitioned`): a node stopped whole during an upload,
+  declared lost, continued; its rank commits nothing (last: it replaces the cluster's nodes).
 
 Every run completes; every sample is read exactly once, in order; every checkpoint resumed
-from had been published; the fixed-dp run's losses are bitwise equal to an uninterrupted run
-(float32), the elastic runs' within 1e-5 of a fixed-dp run (a dp change changes the order of
-the gradient all-reduce's additions, nothing else). The recovery time of each kind of fault is
-printed (`pytest -s`).
+from had been published; every restart record's teardown is at most TEARDOWN_S; the fixed-dp
+runs' losses are bitwise equal to an uninterrupted run (float32), the elastic runs' within
+1e-5 of a fixed-dp run (a dp change changes the order of the gradient all-reduce's additions,
+nothing else). The recovery time of each kind of fault, and the teardowns, are printed
+(`pytest -s`).
 
 A longer soak: `RAYHYBRID_SOAK_SCALE=3 python -m pytest -s tests/test_soak.py` (three times the
 steps and faults of each run).
@@ -19,8 +24,10 @@ steps and faults of each run).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -30,10 +37,14 @@ import ray
 
 import rayhybrid
 from benchmarks.clusters import add_node, local_cluster, lose_power
+from rayhybrid.cluster import drain as drain_module
 from rayhybrid.config.compose import compose, to_config
 from rayhybrid.faults import FaultPlan
 from rayhybrid.storage import checkpoints as checkpoint_store
-from tests.test_recovery import in_background, losses
+from rayhybrid.trainer import upload
+from tests.clusters import node_pids, warm_standbys
+from tests.test_fencing import partitioned
+from tests.test_recovery import in_background, losses, signal_rank
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +61,12 @@ BASE = [
     "fault.max_restarts=20",
     "train.warmup_steps=2",
 ]
+FIXED = ["+topology=dp2_pp2_tp2", "cluster.cpus_per_rank=0.5"]
+TEARDOWN_S = 2.0
+"""The most any recovery's teardown (its restart record's `teardown_s`) may take."""
 ELASTIC = ["elastic.enabled=true", "elastic.min_dp=1", "elastic.max_dp=3", "elastic.reschedule_timeout_s=3"]
 REPORT: dict[str, list[float]] = {}
+TEARDOWNS: list[float] = []
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +77,10 @@ def cluster():
         print("\nrecovery time by kind of fault (s): kind  count  median  worst")
         for kind, times in sorted(REPORT.items()):
             print(f"  {kind:<22} {len(times):>3}  {statistics.median(times):6.1f}  {max(times):6.1f}")
+    if TEARDOWNS:
+        print(
+            f"teardown (s) over {len(TEARDOWNS)} recoveries: median {statistics.median(TEARDOWNS):.2f}, worst {max(TEARDOWNS):.2f}"
+        )
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -129,9 +148,16 @@ def lose_nodes(cluster, run_dir: Path, plan: list[tuple[int, bool]], elastic: bo
     return happened
 
 
-def check_run(run_dir: Path, summary: dict, steps: int) -> None:
+def quick_teardowns(summary: dict) -> None:
+    """Every recovery's teardown took at most TEARDOWN_S."""
+    TEARDOWNS.extend(r["teardown_s"] for r in summary["recoveries"])
+    slow = [(r["restart"], r["teardown_s"], r["cause"]) for r in summary["recoveries"] if r["teardown_s"] > TEARDOWN_S]
+    assert not slow, f"teardowns over {TEARDOWN_S:g}s: {slow}"
+
+
+def check_run(run_dir: Path, summary: dict, steps: int, whole: bool = True) -> None:
     """Completed; each step once; samples read exactly once, in order; only published
-    checkpoints were resumed from."""
+    checkpoints were resumed from; every teardown quick. `whole`: no partial checkpoint left."""
     assert summary["status"] == "completed" and summary["steps"] == steps, summary.get("error")
     done = steps_done(run_dir)
     assert [r["step"] for r in done] == list(range(1, steps + 1))
@@ -148,8 +174,9 @@ def check_run(run_dir: Path, summary: dict, steps: int) -> None:
         if r.get("event") == "resume":
             assert r["checkpoint"] in published, f"resumed from {r['checkpoint']}, never published"
     ckpt_root = Path(summary["checkpoint_dir"])
-    assert not checkpoint_store.uncommitted(ckpt_root), "a partial checkpoint was left"
+    assert not whole or not checkpoint_store.uncommitted(ckpt_root), "a partial checkpoint was left"
     assert checkpoint_store.latest(ckpt_root).step == steps
+    quick_teardowns(summary)
 
 
 def tally(run_dir: Path, summary: dict, node_log: list) -> list[str]:
@@ -190,17 +217,32 @@ def fixed_run_plan(rng: random.Random, steps: int, offset: int = 0) -> tuple[lis
     return faults, node
 
 
-def test_fixed_dp2_pp2_tp2(cluster, tmp_path, capfd):
+@pytest.fixture(scope="module")
+def fixed_reference(tmp_path_factory):
+    """The losses of an uninterrupted dp2_pp2_tp2 run of `steps` steps (each length run once)."""
+    runs: dict[int, list[float]] = {}
+
+    def losses_of(steps: int) -> list[float]:
+        if steps not in runs:
+            run_dir = tmp_path_factory.mktemp("fixed")
+            summary = rayhybrid.train([*BASE, *FIXED, f"train.steps={steps}"], run_dir=run_dir)
+            runs[steps] = losses(Path(summary["run_dir"]))
+        return runs[steps]
+
+    return losses_of
+
+
+def test_fixed_dp2_pp2_tp2(cluster, tmp_path, capfd, fixed_reference):
     rng = random.Random(SEED)
     stretch = 16
     steps = stretch * SCALE
-    overrides = [*BASE, "+topology=dp2_pp2_tp2", "cluster.cpus_per_rank=0.5", f"train.steps={steps}"]
+    overrides = [*BASE, *FIXED, f"train.steps={steps}"]
     faults, node_plan = [], []
     for k in range(SCALE):  # a longer soak repeats the pattern in each stretch of the run
         stretch_faults, node = fixed_run_plan(rng, stretch, offset=stretch * k)
         faults += stretch_faults
         node_plan.append((node, False))
-    reference = rayhybrid.train(overrides, run_dir=tmp_path / "ref")
+    reference = fixed_reference(steps)
     run_dir = tmp_path / "run"
     thread, result = in_background([*overrides, f"fault.inject=[{','.join(faults)}]"], run_dir)
     node_log = lose_nodes(cluster, run_dir, node_plan, elastic=False)
@@ -211,7 +253,7 @@ def test_fixed_dp2_pp2_tp2(cluster, tmp_path, capfd):
     assert len(summary["faults_injected"]) == len(faults)
     kinds = tally(run_dir, summary, node_log)
     assert summary["restarts"] == len(faults) + len(node_plan), kinds  # one recovery each
-    assert losses(run_dir) == losses(Path(reference["run_dir"]))  # bitwise
+    assert losses(run_dir) == reference  # bitwise
     # The terminal has rayhybrid's lines; Ray's paragraphs about the failures it handled went
     # to the run's ray.log (rayhybrid/driver/raytext.py).
     out, err = capfd.readouterr()
@@ -293,3 +335,101 @@ def test_elastic_pp2_replicas_random_faults(cluster, tmp_path, dp1_reference):
     assert len(summary["faults_injected"]) >= 2, "the seed should draw at least two random faults"
     assert summary["restarts"] == len(summary["faults_injected"]) + 1, kinds
     assert losses(run_dir) == pytest.approx(dp1_reference(steps), rel=1e-5)
+
+
+def standby_per_node(cluster, nodes: set[str]) -> dict[str, tuple[str, int]]:
+    """node id -> (name, pid) of a warm standby on each of `nodes`, once each has one."""
+    deadline = time.monotonic() + 120
+    while True:
+        warm = warm_standbys()
+        owners = {pid: node.node_id for node in cluster.list_all_nodes() for pid in node_pids(node)}
+        found = {owners[pid]: (name, pid) for name, pid in warm.items() if pid in owners}
+        if nodes <= set(found):
+            return found
+        assert time.monotonic() < deadline, f"no warm standby on every node of the ranks: {found}"
+        time.sleep(0.2)
+
+
+def test_standbys_killed(cluster, tmp_path, caplog, fixed_reference):
+    """A warm standby SIGKILLed from outside (the run goes on: no restart), and a standby
+    SIGKILLed from outside as it takes a rank over (the recovery fails in its join and runs
+    again, with a new process), in a fixed dp2_pp2_tp2 run. The run is held for both by a hung
+    rank (`hang`, found only after fault.step_timeout_s=60), so that the standbys are warm:
+    one on another node is killed; the one on the hung rank's node is stopped (SIGSTOP), the
+    hung rank SIGKILLed from outside, and once the recovery has taken the stopped standby
+    over, it is SIGKILLed. Two recoveries in all; the losses are an uninterrupted run's."""
+    caplog.set_level(logging.INFO, logger="rayhybrid")
+    rng = random.Random(SEED + 3)
+    steps, hang_at, victim = 16, 4, rng.randrange(8)
+    three_nodes(cluster)
+    base = [o for o in BASE if not o.startswith("fault.step_timeout_s=")]
+    overrides = [
+        *base,
+        *FIXED,
+        f"train.steps={steps}",
+        "fault.step_timeout_s=60",
+        f"fault.inject=[hang@{hang_at}:{victim}]",
+    ]
+    run_dir = tmp_path / "run"
+    thread, result = in_background(overrides, run_dir)
+    wait_for(lambda: ended(run_dir) or any(r.get("event") == "fault_injected" for r in records(run_dir)), "the hang")
+    workers = json.loads((run_dir / "workers.json").read_text())
+    standbys = standby_per_node(cluster, {w["node_id"] for w in workers})
+    hung_node = workers[victim]["node_id"]
+    killed_name, killed_pid = next(s for node, s in standbys.items() if node != hung_node)
+    os.kill(killed_pid, signal.SIGKILL)  # (a) a warm standby, idle
+    taker_name, taker_pid = standbys[hung_node]
+    os.kill(taker_pid, signal.SIGSTOP)  # its join will wait on it
+    killed_rank = signal_rank(run_dir, victim, signal.SIGKILL)
+    wait_for(
+        lambda: any(f"taken over by warm standby {taker_name}" in r.getMessage() for r in list(caplog.records)),
+        "the standby taken over",
+        timeout=120,
+    )
+    os.kill(taker_pid, signal.SIGKILL)  # (b) a standby as it takes a rank over
+    thread.join(timeout=900)
+    summary = result.get("summary")
+    assert summary is not None, result.get("error")
+    check_run(run_dir, summary, steps)
+    first, second = summary["recoveries"]  # none for the idle standby killed
+    assert first["failed_step"] == hang_at and "in the recovery" in second["cause"], summary["recoveries"]
+    assert json.loads((run_dir / "workers.json").read_text())[victim]["pid"] not in (killed_rank, taker_pid)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(f"warm standby {killed_name}" in m and "died" in m for m in messages), (
+        "the killed standby went unnoticed"
+    )
+    REPORT.setdefault("standby killed taking over", []).append(second["total_s"])
+    assert losses(run_dir) == fixed_reference(steps)  # bitwise
+
+
+def test_partitioned_node_fenced_off(cluster, tmp_path, caplog, monkeypatch):
+    """The fencing case (tests/test_fencing.py's `partitioned`): dp2, one rank per node and a
+    spare, on nodes whose store is slow; rank 0's node is stopped whole (SIGSTOP) while the
+    final checkpoint uploads, declared lost, rank 0 healed on the spare node; continued, the
+    old rank 0 exits without committing, and every checkpoint a reader takes is the run's. Last
+    in this module: it replaces the cluster's nodes by 1-CPU nodes started with the slow store."""
+    caplog.set_level(logging.INFO, logger="rayhybrid")
+    monkeypatch.setattr(drain_module, "DRAIN_TIMEOUT_S", 5.0)  # as in test_fencing: a bound, not a wait
+    monkeypatch.setenv(upload.DELAY_ENV, "1.5")  # the new raylets, and so their workers, inherit it
+    old = [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
+    for _ in range(3):
+        add_node(cluster, 1)
+    for node in old:
+        cluster.remove_node(node)
+    monkeypatch.delenv(upload.DELAY_ENV)
+    wait_for(lambda: ray.available_resources().get("CPU", 0) == 3, "the 1-CPU nodes")
+    steps = 4
+    base = [o for o in BASE if not o.startswith("fault.step_timeout_s=")]
+    overrides = [
+        *base,
+        "+topology=dp2",
+        "fault.step_timeout_s=4",
+        "cluster.placement_timeout_s=15",
+        f"train.steps={steps}",
+    ]
+    run_dir = tmp_path / "run"
+    summary = partitioned(cluster, overrides, steps, run_dir, tmp_path / "ckpts", caplog)
+    # The zombie's shards in its own generation's directory stay until a later retention.
+    check_run(run_dir, summary, steps, whole=False)
+    (recovery,) = summary["recoveries"]  # recorded although no step followed it
+    REPORT.setdefault("node partitioned", []).append(recovery["total_s"])

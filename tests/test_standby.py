@@ -29,6 +29,7 @@ from rayhybrid.cluster.worker import CONTROL, TrainWorker
 from rayhybrid.config.compose import replace
 from rayhybrid.preflight import load_config
 from rayhybrid.tune.space import trial_config
+from tests.clusters import warm_standbys
 
 pytestmark = pytest.mark.slow  # Ray and several processes
 
@@ -56,23 +57,6 @@ def reference(tmp_path_factory) -> list[float]:
     run_dir = tmp_path_factory.mktemp("ref")
     rayhybrid.train([*COMMON, f"train.steps={STEPS}", "fault.standby=0"], run_dir=run_dir)
     return losses(run_dir)
-
-
-def warm_standbys(timeout: float = 120, but: frozenset = frozenset()) -> dict[str, int]:
-    """name -> pid of the run's warm standbys (named actors), once at least one (not in `but`) is."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        names = [n for n in ray.util.list_named_actors() if n.startswith(NAME_PREFIX) and n not in but]
-        pids = {}
-        for name in names:
-            try:
-                pids[name] = ray.get(ray.get_actor(name).warm.remote(), timeout=timeout)
-            except (ValueError, ray.exceptions.RayError):  # gone meanwhile (taken over, killed)
-                continue
-        if pids:
-            return pids
-        time.sleep(0.1)
-    raise TimeoutError("no warm standby")
 
 
 def finished(thread, result) -> dict:

@@ -139,7 +139,7 @@ class Controller:
         """One step; a checkpoint when one is due, and then perhaps a resize."""
         run = state.run
         if run.step >= self.cfg.train.steps:
-            return self._finish(run)
+            return self._finish(run, state.pending)
         if self.sigterm.received:
             return self._stop(run)
         inject = self.log.injected(self.faults.due(run.step + 1, "step", _world(self.cfg, self.dp)))
@@ -224,8 +224,7 @@ class Controller:
         )
 
     def _replace(self, run: RunState, intr: Interruption, drained) -> Training | Recovering | Failed:
-        """After the teardown: wait for the broken replicas to be placed again, rebuild on the
-        slots the scaling policy keeps, restore."""
+        """After the teardown: wait for the broken replicas to be placed, rebuild on the slots kept, restore."""
         mark = time.perf_counter()
         run, slots, why = self.launcher.replace(run, self.group, drained)
         if not slots:
@@ -238,8 +237,7 @@ class Controller:
         return self._resume(run, intr, heal=True)
 
     def _stop(self, run: RunState) -> Stopped | Recovering:
-        """Save the steps trained since the last checkpoint (unless checkpoint.every=0), wait
-        for the upload, and stop."""
+        """Save the steps trained since the last checkpoint (unless checkpoint.every=0), wait for its upload, stop."""
         run, err = self.ledger.save_now(run, self.group)
         if err is not None:
             return self._failed(run, err, run.step + 1, None)
@@ -248,9 +246,11 @@ class Controller:
         )
         return Stopped(run, f"stopped by {self.sigterm.received} after step {run.step}; {kept}")
 
-    def _finish(self, run: RunState) -> Finished | Recovering | Failed:
-        """The last step is trained: its checkpoint must be committed before the run is done. If
-        its save failed, or a heal abandoned it, the state is in memory: save it once more."""
+    def _finish(self, run: RunState, pending: Interruption | None) -> Finished | Recovering | Failed:
+        """The last step is trained: commit its checkpoint (saved again from memory if its save
+        failed or a heal abandoned it), and record a recovery that no step followed."""
+        if pending is not None:
+            self.log.interruption(pending.close(0.0))
         try:
             run, done = self.ledger.wait(run, self.group)
             lost = done is None and self.cfg.checkpoint.enabled and run.step not in (run.committed, run.first_restore)
