@@ -56,7 +56,7 @@ def probe_worker():
         def host_store(self, world_size: int) -> int:  # no rendezvous: nothing joins
             return 0
 
-        def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...]) -> dict:
+        def _join(self, master_addr: str, master_port: int, visible_gpus: tuple[str, ...], generation: int) -> dict:
             return self.placement(visible_gpus)
 
     return ProbeWorker

@@ -59,7 +59,7 @@ def drain(state: GroupState, calls: Calls) -> tuple[Drained, GroupState]:
     found_s = time.perf_counter() - start
     alive = sigkill([infos[rank] for rank in hung])  # their connections close: blocked peers fail
     stop([workers[rank] for rank in hung])
-    abort_collectives([workers[rank] for rank in calls.busy() if rank not in hung])  # NCCL: blocked ones raise
+    abort_collectives([workers[rank] for rank in calls.busy() if rank not in hung])  # saves abandoned; NCCL aborted
     dead = hung | leave(workers, skip=hung)
     stop([workers[rank] for rank in dead - hung])
     calls.settle(closing)

@@ -79,6 +79,14 @@ def drop_trainer(trainer, healer: Healer | None, rank: int, failed: bool) -> Non
     trainer.feed.close()
 
 
+def quiet_torch() -> None:
+    """Silence torch's per-step warnings in this process: DTensor's that a 2-D norm reduction
+    takes two all-reduces, and FSDP2/replicate's that a stage's output is a view (nothing here
+    modifies it in place)."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
 CONTROL = "control"  # the concurrency group that answers while a step is blocked
 
 
@@ -102,10 +110,7 @@ class TrainWorker:
         self.healer = Healer()  # fault.heal: the state kept across a failure, and the heal
         self.store = None  # the rendezvous this worker serves as rank 0 (`host_store`)
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
-        # DTensor warns on every step that a 2-D norm reduction takes two all-reduces, and
-        # FSDP2/replicate that a stage's output is a view (nothing here modifies it in place).
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        quiet_torch()
 
     def info(self) -> WorkerInfo:
         """Where this worker runs. The first call also imports the trainer (`warm_up`)."""
@@ -150,10 +155,13 @@ class TrainWorker:
 
     @ray.method(concurrency_group=CONTROL)
     def abort_collectives(self) -> bool:
-        """NCCL: abort this rank's communicators, so that a collective blocked on a dead peer
-        raises in the main thread within seconds (the drain calls it); a no-op on gloo."""
+        """After a failed call (the drain): abandon the save in flight, so a main thread waiting
+        on its upload (rank 0 gathering a dead rank's results) returns at once, and on NCCL
+        abort the communicators, so a collective blocked on a dead peer raises within seconds."""
         from rayhybrid.parallel.abort import abort_collectives
 
+        if (trainer := self.trainer) is not None:
+            trainer.close_checkpoints()
         return abort_collectives()
 
     @ray.method(concurrency_group=CONTROL)
