@@ -105,10 +105,12 @@ def leave(workers: list, skip: set[int]) -> set[int]:
 
 
 def abort_collectives(workers: list) -> None:
-    """Abort the NCCL communicators of `workers` (ranks still busy in the failed call) from their
-    control threads (`TrainWorker.abort_collectives`): one blocked in a collective on a dead peer
-    raises within seconds, instead of at NCCL's watchdog timeout (minutes), and then leaves as
-    the others do. A no-op on gloo, where a dead peer already raises. Waits at most
+    """From the control threads of `workers` (ranks still busy in the failed call;
+    `TrainWorker.abort_collectives`): abandon the save in flight, so one waiting on its upload
+    (rank 0, for a dead rank's results) returns at once instead of at the drain's 30 s, and
+    abort the NCCL communicators, so one blocked in a collective on a dead peer raises within
+    seconds instead of at NCCL's watchdog timeout (minutes); both then leave as the others do.
+    The abort is a no-op on gloo, where a dead peer already raises. Waits at most
     PING_TIMEOUT_S; a worker that does not answer is dealt with by `leave`."""
     refs = [worker.abort_collectives.remote() for worker in workers if worker is not None]
     if not refs:
