@@ -53,6 +53,13 @@ def objects(url: str, endpoint: str) -> dict[str, bytes]:
     return {path: fs.cat_file(path) for path in fs.find(url)}
 
 
+def reset_moto(endpoint: str) -> None:
+    """Empty every bucket of the moto server at `endpoint` (and of the others in its process)."""
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10).close()
+
+
 @contextlib.contextmanager
 def s3_session(bucket: str):
     """moto's S3 server on loopback, AWS_ENDPOINT_URL and test credentials set, `bucket` made;
@@ -63,6 +70,8 @@ def s3_session(bucket: str):
     with contextlib.ExitStack() as stack:
         stack.enter_context(loopback_aws())  # first: a client that loses its endpoint fails here
         endpoint = stack.enter_context(moto_server())
+        # moto's servers in one process share their buckets: the next session starts empty.
+        stack.callback(reset_moto, endpoint)
         stack.enter_context(env(AWS_ENDPOINT_URL=endpoint, **CREDENTIALS))
         stack.callback(s3fs.S3FileSystem.clear_instance_cache)
         s3fs.S3FileSystem.clear_instance_cache()

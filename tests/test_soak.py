@@ -355,9 +355,8 @@ def test_standbys_killed(cluster, tmp_path, caplog, fixed_reference):
     SIGKILLed from outside as it takes a rank over (the recovery fails in its join and runs
     again, with a new process), in a fixed dp2_pp2_tp2 run. The run is held for both by a hung
     rank (`hang`, found only after fault.step_timeout_s=60), so that the standbys are warm:
-    one on another node is killed; the one on the hung rank's node is stopped (SIGSTOP), the
-    hung rank SIGKILLed from outside, and once the recovery has taken the stopped standby
-    over, it is SIGKILLed. Two recoveries in all; the losses are an uninterrupted run's."""
+    one on another node is killed; the hung rank is SIGKILLed from outside, and as soon as the
+    recovery has taken the standby of its node (the driver's log line), that one is SIGKILLed. Two recoveries in all; the losses are an uninterrupted run's."""
     caplog.set_level(logging.INFO, logger="rayhybrid")
     rng = random.Random(SEED + 3)
     steps, hang_at, victim = 16, 4, rng.randrange(8)
@@ -379,13 +378,13 @@ def test_standbys_killed(cluster, tmp_path, caplog, fixed_reference):
     killed_name, killed_pid = next(s for node, s in standbys.items() if node != hung_node)
     os.kill(killed_pid, signal.SIGKILL)  # (a) a warm standby, idle
     taker_name, taker_pid = standbys[hung_node]
-    os.kill(taker_pid, signal.SIGSTOP)  # its join will wait on it
     killed_rank = signal_rank(run_dir, victim, signal.SIGKILL)
-    wait_for(
-        lambda: any(f"taken over by warm standby {taker_name}" in r.getMessage() for r in list(caplog.records)),
-        "the standby taken over",
-        timeout=120,
-    )
+    # The driver logs the take before the standby joins, builds and is healed (about 0.7 s at
+    # the least, BENCHMARKS section 4); the kill follows the log line within milliseconds.
+    deadline = time.monotonic() + 120
+    while not any(f"taken over by warm standby {taker_name}" in r.getMessage() for r in list(caplog.records)):
+        assert time.monotonic() < deadline, "timed out waiting for the standby taken over"
+        time.sleep(0.005)
     os.kill(taker_pid, signal.SIGKILL)  # (b) a standby as it takes a rank over
     thread.join(timeout=900)
     summary = result.get("summary")
