@@ -194,7 +194,7 @@ def section(r: dict) -> str:
             f"A warm standby taking the rank over: init {fmt(heal['init_s'])} s against {fmt(cold['init_s'])} s for "
             f"a new process ({heal['init_s'] / cold['init_s']:.2f}x), kill to next step "
             f"{fmt(heal.get('kill_to_next_step_s'), 1)} s against {fmt(cold.get('kill_to_next_step_s'), 1)} s, "
-            "in this invocation (a 2-core machine shared with other work: compare within this table). The node "
+            "in this invocation (timings on 2 cores are noisy: compare within this table). The node "
             "killed outright loses its standby with it: its rank starts anew on the spare node.\n\n"
         )
     return out
