@@ -217,19 +217,25 @@ def fixed_run_plan(rng: random.Random, steps: int, offset: int = 0) -> tuple[lis
     return faults, node
 
 
-@pytest.fixture(scope="module")
-def fixed_reference(tmp_path_factory):
-    """The losses of an uninterrupted dp2_pp2_tp2 run of `steps` steps (each length run once)."""
+def reference_runs(tmp_path_factory, name: str, overrides: list[str]):
+    """`losses_of(steps)`: the losses of an uninterrupted run of `overrides` and `steps` steps
+    (each length run once)."""
     runs: dict[int, list[float]] = {}
 
     def losses_of(steps: int) -> list[float]:
         if steps not in runs:
-            run_dir = tmp_path_factory.mktemp("fixed")
-            summary = rayhybrid.train([*BASE, *FIXED, f"train.steps={steps}"], run_dir=run_dir)
+            run_dir = tmp_path_factory.mktemp(name)
+            summary = rayhybrid.train([*BASE, *overrides, f"train.steps={steps}"], run_dir=run_dir)
             runs[steps] = losses(Path(summary["run_dir"]))
         return runs[steps]
 
     return losses_of
+
+
+@pytest.fixture(scope="module")
+def fixed_reference(tmp_path_factory):
+    """The losses of an uninterrupted dp2_pp2_tp2 run of `steps` steps (each length run once)."""
+    return reference_runs(tmp_path_factory, "fixed", FIXED)
 
 
 def test_fixed_dp2_pp2_tp2(cluster, tmp_path, capfd, fixed_reference):
@@ -265,16 +271,7 @@ def test_fixed_dp2_pp2_tp2(cluster, tmp_path, capfd, fixed_reference):
 @pytest.fixture(scope="module")
 def dp1_reference(tmp_path_factory):
     """The losses of an uninterrupted one-replica run of `steps` steps (each length run once)."""
-    runs: dict[int, list[float]] = {}
-
-    def losses_of(steps: int) -> list[float]:
-        if steps not in runs:
-            run_dir = tmp_path_factory.mktemp("dp1")
-            summary = rayhybrid.train([*BASE, f"train.steps={steps}"], run_dir=run_dir)
-            runs[steps] = losses(Path(summary["run_dir"]))
-        return runs[steps]
-
-    return losses_of
+    return reference_runs(tmp_path_factory, "dp1", [])
 
 
 def test_elastic_tp2_replicas(cluster, tmp_path, dp1_reference):
