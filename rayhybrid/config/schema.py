@@ -241,6 +241,17 @@ class ClusterConfig:
     local Ray that rayhybrid starts itself when neither cluster.address nor RAY_ADDRESS is
     set. Off: nothing reads them there, and exporting them takes CPU from the ranks. A
     cluster the run joins keeps its own setting."""
+    check: str = "brief"
+    """At the start of every run, a check of each node the run will use (rayhybrid/check/, the
+    per-node checks of `python -m rayhybrid.check` without its bandwidth test): brief (its
+    problems logged as warnings and recorded as a `check` event; a node whose torch or
+    rayhybrid version differs from the driver's stops the run, exit 2) or off."""
+    intra_node_gbps: float = 0.0
+    """The all-reduce bandwidth (bus GB/s, as nccl-tests count it) the run counts on between
+    the ranks of one node; 0: the default for the backend (rayhybrid/check/bandwidth.py:
+    nccl 20, gloo 0.5). `python -m rayhybrid.check` names a node below half of it."""
+    inter_node_gbps: float = 0.0
+    """The same between nodes; 0: the default for the backend (nccl 5, gloo 0.1)."""
 
 
 @dataclass(frozen=True)

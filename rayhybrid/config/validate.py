@@ -48,6 +48,8 @@ def _positive(cfg: Config) -> None:
         ("train", "weight_decay"),
         ("train", "grad_clip"),
         ("cluster", "num_cpus"),
+        ("cluster", "intra_node_gbps"),
+        ("cluster", "inter_node_gbps"),
         ("checkpoint", "every"),
         ("checkpoint", "keep"),
         ("fault", "max_restarts"),
@@ -81,6 +83,7 @@ def check(cfg: Config) -> None:
             "fault.standby", f"must not be negative, got {cfg.fault.standby}; set 0 (off) or a count per node"
         )
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
+    _choice("cluster.check", str(cfg.cluster.check).lower(), ("brief", "off"))
 
     virtual = Layout.of(cfg).virtual_stages
     fixed = SCHEDULE_TABLE[t.schedule].stages_per_rank

@@ -20,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from rayhybrid.check.run import startup_check
 from rayhybrid.cluster.connect import resolve_shape
 from rayhybrid.cluster.drain import Drained
 from rayhybrid.cluster.group import WorkerGroup
@@ -71,10 +72,12 @@ class Launcher:
         """A replica's resources, once `prepare` has asked the cluster."""
 
     def prepare(self) -> None:
-        """Before the first start: the cluster can ever hold the run; the run's first lines."""
+        """Before the first start: the cluster can ever hold the run; the run's first lines; the
+        check of the nodes it will use (cluster.check: warnings and a `check` event)."""
         self.shape = resolve_shape(self.cfg)
         check_capacity(self.shape, self.scaling.min_dp)
         announce(self.cfg, self.scaling, self.shape.use_gpu)
+        startup_check(self.cfg, self.shape, self.log.event)
 
     def start(self, run: RunState, pending: Interruption | None) -> Start:
         """Place the replicas, start the workers on the slots the scaling policy picks and
