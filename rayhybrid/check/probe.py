@@ -80,6 +80,8 @@ def code_digest() -> str | None:
     root = Path(next(iter(spec.submodule_search_locations)))
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "conf":
+            continue  # an installed copy's rayhybrid.conf package (conf/ beside it in a checkout)
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
