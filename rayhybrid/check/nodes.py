@@ -43,12 +43,14 @@ def used_nodes(shape: ReplicaShape) -> list[Node]:
     ]
 
 
-def workers_env(gpu: bool) -> dict[str, str]:
+def workers_env(gpu: bool, storage: bool = True) -> dict[str, str]:
     """The environment the run's workers get on top of a node's (spawn.py's: the driver's
-    storage settings not inherited already). On GPUs, Ray leaves CUDA_VISIBLE_DEVICES alone, so
-    a task that asks for no GPU sees the node's devices."""
+    storage settings not inherited already), when the task reaches a store (`storage`): a task
+    with an environment of its own starts a Ray worker of its own (about a second), one
+    without takes one Ray started ahead. On GPUs, Ray leaves CUDA_VISIBLE_DEVICES alone, so a
+    task that asks for no GPU sees the node's devices."""
     inherited = inherited_env()
-    env = {k: v for k, v in forwarded_env().items() if inherited.get(k) != v}
+    env = {k: v for k, v in forwarded_env().items() if inherited.get(k) != v} if storage else {}
     if gpu:
         env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
     return env

@@ -20,7 +20,7 @@ from rayhybrid.cluster.placement import ReplicaShape
 from rayhybrid.config.schema import Config
 from rayhybrid.data.sources import KINDS
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage.store import redact, redact_url
+from rayhybrid.storage.store import is_remote, redact, redact_url
 
 log = logging.getLogger("rayhybrid")
 
@@ -91,7 +91,8 @@ def check_cluster(cfg: Config, shape: ReplicaShape, *, bandwidth: bool, store: b
     nodes = used_nodes(shape)
     req = request(cfg, shape.use_gpu, store)
     driver = node_facts(Request(req.packages))
-    checked = Checked(nodes, ask_nodes(nodes, req, workers_env(shape.use_gpu)), driver, shape.use_gpu)
+    env = workers_env(shape.use_gpu, storage=req.store is not None or any(is_remote(u) for _, u in req.datasets))
+    checked = Checked(nodes, ask_nodes(nodes, req, env), driver, shape.use_gpu)
     display = redact_url(cfg.checkpoint.dir)
     for n in nodes:
         checked.problems += node_problems(
