@@ -96,6 +96,8 @@ def test_a_fatal_problem_stops_the_start_and_off_skips_the_check(monkeypatch):
         run.startup_check(cfg, None, events.append)
     assert caught.value.setting == "cluster.check" and "rayhybrid 0.0.9" in str(caught.value)
     assert "cluster.check=off" in str(caught.value) and events[0]["event"] == "check"
+    monkeypatch.setattr(run, "check_cluster", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no Ray")))
+    assert run.startup_check(cfg, None, events.append) is None and len(events) == 1  # the run goes on
     off = to_config(compose(["cluster.check=off"]))
     assert run.startup_check(off, None, events.append) is None and len(events) == 1
     with pytest.raises(ConfigError, match="cluster.check: unknown value 'never'"):

@@ -103,9 +103,13 @@ def rounds(count: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _group(meters: list, gpu: bool) -> list:
-    """Refs of one all-reduce measurement among `meters` (rank = position)."""
-    master = ray.get(meters[0].endpoint.remote(), timeout=TIMEOUT_S)
+def _group(meters: list, gpu: bool) -> list | str:
+    """Refs of one all-reduce measurement among `meters` (rank = position), or why it could
+    not start (a meter not placed or dead)."""
+    try:
+        master = ray.get(meters[0].endpoint.remote(), timeout=TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError) as err:
+        return f"failed ({one_line(err)})"
     return [m.all_reduce.remote(master, r, len(meters), gpu, SIZE_MB, ITERATIONS) for r, m in enumerate(meters)]
 
 
@@ -152,7 +156,9 @@ def measure(nodes: list[Node], gpu: bool) -> dict[str, dict]:
     return out
 
 
-def _figure(refs: list, world: int) -> float | str:
+def _figure(refs: list | str, world: int) -> float | str:
+    if isinstance(refs, str):
+        return refs
     try:
         seconds = ray.get(refs, timeout=TIMEOUT_S)
     except (ray.exceptions.RayError, TimeoutError) as err:

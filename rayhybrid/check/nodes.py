@@ -8,6 +8,7 @@ too), in the environment the run's workers get (the driver's storage settings fo
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import ray
@@ -64,6 +65,8 @@ def _facts(req: Request) -> dict:
 def ask_nodes(nodes: list[Node], req: Request, env: dict[str, str], timeout_s: float = ASK_TIMEOUT_S) -> dict:
     """Node id -> its facts (a dict), or the reason it gave none (a str: the task failed or did
     not answer within `timeout_s`). The tasks run at once."""
+    if not nodes:
+        return {}
     runtime_env = {"env_vars": env} if env else None
     refs = {
         n.id: _facts.options(
@@ -75,7 +78,8 @@ def ask_nodes(nodes: list[Node], req: Request, env: dict[str, str], timeout_s: f
     out: dict = {}
     for node, ref in refs.items():
         if ref not in ready:
-            ray.cancel(ref, force=True)
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.cancel(ref, force=True)
             out[node] = f"its check did not answer within {timeout_s:g}s"
             continue
         try:

@@ -20,7 +20,7 @@ from rayhybrid.cluster.placement import ReplicaShape
 from rayhybrid.config.schema import Config
 from rayhybrid.data.sources import KINDS
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage.store import is_remote, redact, redact_url
+from rayhybrid.storage.store import is_remote, one_line, redact, redact_url
 
 log = logging.getLogger("rayhybrid")
 
@@ -113,7 +113,11 @@ def startup_check(cfg: Config, shape: ReplicaShape, record) -> Checked | None:
     rayhybrid differs from the driver's stops the run (ConfigError naming cluster.check)."""
     if str(cfg.cluster.check).lower() == "off":
         return None
-    checked = check_cluster(cfg, shape, bandwidth=False, store=False)
+    try:
+        checked = check_cluster(cfg, shape, bandwidth=False, store=False)
+    except Exception as err:  # noqa: BLE001 - the check's own failure never stops a run
+        log.warning("cluster check: could not run (%s); the run goes on unchecked", one_line(err))
+        return None
     for problem in checked.problems:
         log.warning("cluster check: %s", problem.line)
     record(checked.record())
