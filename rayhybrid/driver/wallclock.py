@@ -411,7 +411,8 @@ def goodput_plot(points: list[tuple[float, tuple[float, ...]]], path: Path) -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [i for i, c in enumerate(CAUSES) if points and points[-1][1][i] > 0]
+    order = [*KEPT, *(c for c in CAUSES if c not in KEPT)]  # the kept time at the bottom
+    shown = [CAUSES.index(c) for c in order if points and points[-1][1][CAUSES.index(c)] > 0]
     xs = [0.0, *(p[0] for p in points)]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.stackplot(
