@@ -17,6 +17,7 @@ import ray
 
 import rayhybrid
 from rayhybrid.driver.controller import RunFailed
+from rayhybrid.driver.wallclock import STORE_FILE
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.generation import RECORD
 
@@ -125,8 +126,8 @@ def test_sigkill_of_a_rank_mid_run(tmp_path, reference, reference_dir):
     assert sorted(expected) == [3, 6, 9, 12]
     assert val_losses(run_dir) == pytest.approx(expected, rel=1e-5)  # after the recovery too
     names = sorted(os.listdir(run_dir / "checkpoints"))
-    # keep=2, no temporaries; written after the restart, by the run's generation 1 (invariant 10)
-    assert names == [RECORD, checkpoint_store.name_for(9, 1), checkpoint_store.name_for(12, 1)]
+    # keep=2, no temporaries; written after the restart, by the run's generation 1 (invariant 10); goodput's totals
+    assert names == [RECORD, STORE_FILE, checkpoint_store.name_for(9, 1), checkpoint_store.name_for(12, 1)]
 
 
 def test_llama3_rank_killed_mid_run_recovers(tmp_path):
@@ -146,7 +147,7 @@ def test_llama3_rank_killed_mid_run_recovers(tmp_path):
     assert [(e["step"], e["kind"], e["rank"]) for e in events(run_dir, "fault_injected")] == [(5, "kill", 1)]
     assert losses(run_dir) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
     names = sorted(os.listdir(run_dir / "checkpoints"))
-    assert names == [RECORD, checkpoint_store.name_for(6, 1), checkpoint_store.name_for(9, 1)]
+    assert names == [RECORD, STORE_FILE, checkpoint_store.name_for(6, 1), checkpoint_store.name_for(9, 1)]
 
 
 def test_hung_rank_is_detected_by_step_timeout(tmp_path, reference):
