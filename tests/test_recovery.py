@@ -199,7 +199,7 @@ def test_restarts_run_out(tmp_path):
     assert summary["status"] == "failed" and summary["restarts"] == 1 and summary["error"] == str(err)
     assert checkpoint_store.latest(run_dir / "checkpoints") is not None
     seconds = adds_up(summary)  # goodput: the failure given up on is detection, to the end
-    assert seconds["detection"] > 0 and seconds["teardown"] > 0, (seconds, summary["recoveries"])
+    assert seconds["detection"] > 0 and seconds["worker_init"] > 0, (seconds, summary["recoveries"])
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -5,6 +5,7 @@ given to exactly one cause (docs/observability.md, "Goodput: where the wall time
     ledger.event(record)                  # a checkpoint, restart, resize, preemption record
     ledger.save_blocked(step, seconds)    # an asynchronous save blocked training (its record comes later)
     ledger.step(record, now)              # a step record: the interval since the last one is split
+                                          # (a step healed forward: counted with its recovery's record)
     ledger.rewind(step)                   # steps after `step` are trained again: theirs -> redone
     ledger.close(now, status)             # the rest, up to summary.json
 
@@ -84,6 +85,9 @@ PHASES = {
     "restore_s": "restore",
 }
 """A restart's or resize's timings -> the causes (its save_s: checkpoint or preemption drain)."""
+HEALED_FORWARD = "healed_forward"
+"""Marks the record of a step healed forward (`driver/healing.py`), which the recovery logs
+before its own record: the wall clock takes it out before the record is written."""
 STORE_FILE = "goodput.json"
 """At the root of the checkpoint store: each process's totals, for a resumed run."""
 PLOT_POINTS = 2000
@@ -170,6 +174,10 @@ class WallLedger:
         step = int(record["step"])
         if any(s >= step for s in self.by_step):  # trained again without a rewind: the old ones are redone
             self.rewind(step - 1)
+        if record.get(HEALED_FORWARD):  # trained before the failure, recorded in its recovery
+            self.pending += [Piece(c, s, step) for c, s in step_pieces(record).items() if s > 0]
+            self.covered += record.get("step_time_s") or 0.0  # inside the recovery's detect_s
+            return
         # The step's own time first (surely in the interval), then older debts, then the events'.
         pieces = [Piece(c, s, step) for c, s in step_pieces(record).items() if s > 0]
         if record.get("eval_s"):
@@ -327,6 +335,7 @@ class Wallclock(Reporter):
         self.ledger.step(record, time.time(), startup)
         seconds, wall = self.seconds()
         self._point(wall, seconds)
+        record = {k: v for k, v in record.items() if k != HEALED_FORWARD}
         return {**record, "goodput": {c: round(v, 3) for c, v in seconds.items()}}
 
     def on_save_blocked(self, step: int, seconds: float) -> None:
