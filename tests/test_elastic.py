@@ -20,6 +20,7 @@ from rayhybrid.driver.controller import RunFailed
 from rayhybrid.errors import ConfigError
 from rayhybrid.preflight import check
 from tests.test_recovery import KillInJoin, in_background, losses, when_step
+from tests.test_wallclock import adds_up
 
 # A replica is pp2 x tp1: two ranks, one node of 2 CPUs. G=12 splits for dp 1, 2 and 3.
 COMMON = [
@@ -96,6 +97,8 @@ def test_shrinks_when_a_node_goes_and_grows_when_one_comes_back(cluster, tmp_pat
     assert shrink["step"] == restart["resume_step"] in (restart["failed_step"] - 1, restart["failed_step"])
     assert shrink["resize_s"] > 0 and grow["resize_s"] > 0
     assert [e["to_dp"] for e in events(run_dir, "resize")][-2:] == [2, 3]
+    seconds = adds_up(summary)  # goodput across a shrink (a restart that resized: counted once) and a grow
+    assert seconds["worker_init"] > 0 and seconds["detection"] > 0 and seconds["checkpoint"] > 0
 
     step_records = [r for r in records(run_dir) if "event" not in r]
     assert [r["step"] for r in step_records] == list(range(1, steps + 1))
@@ -142,6 +145,7 @@ def test_kill_during_a_grow_leaves_at_once(cluster, tmp_path):
     (recovery,) = summary["recoveries"]
     assert recovery["teardown_s"] <= 2.0 and recovery["dp_after"] == 3, recovery
     assert (recovery["healed"], recovery["steps_redone"]) == ("checkpoint", 0)
+    adds_up(summary)  # goodput across a grow interrupted and its recovery
     step_records = [r for r in records(run_dir) if "event" not in r]
     assert [r["step"] for r in step_records] == list(range(1, steps + 1))
     dps = [r["dp"] for r in step_records]

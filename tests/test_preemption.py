@@ -18,6 +18,7 @@ from ray.core.generated.autoscaler_pb2 import DRAIN_NODE_REASON_PREEMPTION
 import rayhybrid
 from benchmarks.clusters import add_node, local_cluster, lose_power
 from tests.test_recovery import events, in_background, losses, when_step
+from tests.test_wallclock import adds_up
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +80,8 @@ def test_notice_with_time_to_spare_loses_no_step(cluster, reference, tmp_path):
     assert [e["step"] for e in events(run_dir, "resume")] == [notice["saved_step"]]
     assert victim not in {w["node_id"] for w in summary["placement"]}
     assert losses(run_dir) == reference  # each step exactly once (losses() checks), bitwise
+    seconds = adds_up(summary)  # goodput: moving off the node is preemption drain, none redone
+    assert seconds["preemption_drain"] > 0 and seconds["redone"] == 0 and seconds["detection"] == 0
     (gone,) = [n for n in cluster.list_all_nodes() if n.node_id == victim]
     cluster.remove_node(gone)  # the deadline's end, done by the caller
     add_node(cluster, 2)
@@ -123,4 +126,6 @@ def test_elastic_run_shrinks_off_the_draining_node(cluster, reference, tmp_path)
     shrink = summary["resizes"][0]
     assert (shrink["from_dp"], shrink["to_dp"]) == (2, 1) and "preempted" in shrink["cause"]
     assert shrink["step"] == notice["saved_step"]
+    seconds = adds_up(summary)  # goodput: the resize's phases, the rest of the move preemption drain
+    assert seconds["preemption_drain"] > 0 and seconds["worker_init"] > 0 and seconds["redone"] == 0
     assert losses(run_dir) == pytest.approx(reference, rel=1e-5)  # each step once; dp 2 then 1

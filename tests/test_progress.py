@@ -50,6 +50,8 @@ def test_one_line_per_logged_step(tmp_path, caplog):
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
     assert [line.split("|")[0].strip() for line in logged] == ["step 1/4", "step 2/4", "step 4/4"]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("event") for r in records[4:]] == ["goodput"]  # the run's wall time by cause, at the end
+    records = records[:4]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     times = [r["time"] for r in records]  # wall clock of each step's record, in order
     assert times == sorted(times) and abs(times[-1] - time.time()) < 60

@@ -17,8 +17,10 @@ import ray
 
 import rayhybrid
 from rayhybrid.driver.controller import RunFailed
+from rayhybrid.driver.wallclock import STORE_FILE
 from rayhybrid.storage import checkpoints as checkpoint_store
 from rayhybrid.storage.generation import RECORD
+from tests.test_wallclock import adds_up
 
 pytestmark = pytest.mark.slow  # Ray or several processes; see the quick tier in README.md
 
@@ -120,13 +122,15 @@ def test_sigkill_of_a_rank_mid_run(tmp_path, reference, reference_dir):
     for key in ("detect_s", "teardown_s", "place_s", "init_s", "restore_s", "first_step_s", "total_s"):
         assert recovery[key] >= 0, key
     assert events(run_dir, "restart")[0]["restart"] == 1
+    seconds = adds_up(summary)  # goodput: the heal's transfer is restore, no step redone
+    assert seconds["restore"] > 0 and seconds["detection"] > 0 and seconds["redone"] == 0
     assert losses(run_dir) == pytest.approx(reference, rel=1e-5)
     expected = val_losses(reference_dir)
     assert sorted(expected) == [3, 6, 9, 12]
     assert val_losses(run_dir) == pytest.approx(expected, rel=1e-5)  # after the recovery too
     names = sorted(os.listdir(run_dir / "checkpoints"))
-    # keep=2, no temporaries; written after the restart, by the run's generation 1 (invariant 10)
-    assert names == [RECORD, checkpoint_store.name_for(9, 1), checkpoint_store.name_for(12, 1)]
+    # keep=2, no temporaries; written after the restart, by the run's generation 1 (invariant 10); goodput's totals
+    assert names == [RECORD, STORE_FILE, checkpoint_store.name_for(9, 1), checkpoint_store.name_for(12, 1)]
 
 
 def test_llama3_rank_killed_mid_run_recovers(tmp_path):
@@ -146,7 +150,7 @@ def test_llama3_rank_killed_mid_run_recovers(tmp_path):
     assert [(e["step"], e["kind"], e["rank"]) for e in events(run_dir, "fault_injected")] == [(5, "kill", 1)]
     assert losses(run_dir) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
     names = sorted(os.listdir(run_dir / "checkpoints"))
-    assert names == [RECORD, checkpoint_store.name_for(6, 1), checkpoint_store.name_for(9, 1)]
+    assert names == [RECORD, STORE_FILE, checkpoint_store.name_for(6, 1), checkpoint_store.name_for(9, 1)]
 
 
 def test_hung_rank_is_detected_by_step_timeout(tmp_path, reference):
@@ -194,6 +198,8 @@ def test_restarts_run_out(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["restarts"] == 1 and summary["error"] == str(err)
     assert checkpoint_store.latest(run_dir / "checkpoints") is not None
+    seconds = adds_up(summary)  # goodput: the failure given up on is detection, to the end
+    assert seconds["detection"] > 0 and seconds["worker_init"] > 0, (seconds, summary["recoveries"])
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -90,7 +90,11 @@ def test_recovery_from_s3_is_exact_and_keeps_no_secret(cluster, reference, tmp_p
     assert summary["last_checkpoint"] == f"{url}/{checkpoint_store.name_for(10, 1)}" == f"{url}/step_00000010.g1"
     # No secret in the run directory, the bucket or the output.
     written = [p.read_bytes() for p in run_dir.rglob("*") if p.is_file()]
-    written += list(s3.objects(url, endpoint).values())
+    stored = s3.objects(url, endpoint)
+    written += list(stored.values())
+    # goodput's totals in the bucket, for a resumed run: this process, up to its end
+    (process,) = json.loads(stored[f"{url.removeprefix('s3://')}/goodput.json"])["processes"]
+    assert process["wall_s"] == pytest.approx(summary["goodput"]["wall_s"], abs=0.01)
     out, err = capfd.readouterr()
     for secret in (SECRET, KEY):
         assert not any(secret.encode() in blob for blob in written), "a secret was written"

@@ -103,7 +103,7 @@ class Controller:
         store names), then Ray. Returns whether this run started Ray."""
         cfg = self.cfg
         store = open_store(self._checkpoint_url(), cfg.checkpoint.storage_options, setting="checkpoint.dir")
-        self.log.checkpoints_in(store.display)
+        self.log.checkpoints_in(store.display, store)
         self.ledger = CheckpointLedger(cfg, store, self.log)
         self.drains = DrainWatch(cfg, self.scaling, self.ledger)
         found = self.ledger.latest()  # listed once: the trackers, the model check and the first start use it

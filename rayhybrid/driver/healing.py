@@ -19,6 +19,7 @@ from rayhybrid.driver.policies import HealPlan, HealPolicy
 from rayhybrid.driver.records import Interruption, steps_redone
 from rayhybrid.driver.runlog import RunLog
 from rayhybrid.driver.state import RunState
+from rayhybrid.driver.wallclock import HEALED_FORWARD
 from rayhybrid.trainer.results import HealResult, HeldState, SaveResult, StepMetrics, StepResult
 
 log = logging.getLogger("rayhybrid")
@@ -64,7 +65,7 @@ class Healing:
         if plan.step > run.step:  # ranks that passed the last vote stepped: the driver never had that step
             record = _record(group, done)
             finished = list(record.saves)
-            self.log.step(record.metrics)
+            self.log.step({**record.metrics, HEALED_FORWARD: True})  # trained before the failure (goodput)
         intr = intr.but(
             healed="peer",
             steps_redone=steps_redone(run.step, plan.step),

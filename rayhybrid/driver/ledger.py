@@ -82,6 +82,7 @@ class CheckpointLedger:
         run = self.saved(run, list(saved.finished))
         if not saved.asynchronous:
             return self.saved(run, [saved])
+        self.log.save_blocked(step, saved.blocked_s)  # known now; its record comes with the commit
         log.info(
             "checkpoint step %d: training blocked %.2fs; uploading to %s",
             step,

@@ -4,7 +4,7 @@ from the records the run log writes (`RunSummary.record`), never set by the driv
 
 `metrics.jsonl` holds one JSON object per line: a step record (has "loss"), or an event (has
 "event": resume, heal, checkpoint, checkpoint_failed, restart, resize, preemption,
-fault_injected).
+fault_injected, goodput).
 The writer is `rayhybrid.driver.runlog.RunLog`.
 """
 

@@ -5,6 +5,8 @@ calls), attached with `RunLog.attach` rather than wired in by attribute.
     runlog.attach(Observer(cfg, runlog.dir))         # adds FLOP/s and MFU, the figures at close
     runlog.attach(Tracked(Trackers.open(...)))       # W&B, MLflow, TensorBoard get every record
 
+The run log attaches one itself: the wall clock (`rayhybrid.driver.wallclock`, goodput).
+
 The order of the hooks, for each record: `before_step` (a reporter may add figures), the
 record written to metrics.jsonl, `after_step`; for an event, written then `on_event`; at the
 end `before_close` (a reporter may add figures to the summary), summary.json written, `close`.
@@ -17,12 +19,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rayhybrid.driver.records import StepMetrics
+    from rayhybrid.storage.store import Store
     from rayhybrid.tracking import Trackers
 
 
 class Reporter:
     """One thing a run reports to. Every hook does nothing here: a reporter overrides those it
     needs."""
+
+    def on_store(self, store: Store) -> None:
+        """The run's checkpoint store is open (`rayhybrid.storage.store.Store`)."""
 
     def after_workers_start(self, placement: list[dict], description: dict) -> None:
         """The workers (re)started: where each rank is, and how rank 0 describes itself
@@ -37,6 +43,13 @@ class Reporter:
 
     def on_event(self, record: dict) -> None:
         """An event's record (checkpoint, restart, ...) as metrics.jsonl has it."""
+
+    def on_save_blocked(self, step: int, seconds: float) -> None:
+        """An asynchronous save of `step` blocked training for `seconds` (its `checkpoint`
+        record, with the same `blocked_s`, comes when its upload is committed)."""
+
+    def on_rewind(self, step: int) -> None:
+        """The steps after `step` are forgotten: they will be trained again (`RunLog.rewind`)."""
 
     def before_close(self, summary: dict, history: list[StepMetrics]) -> None:
         """The summary before summary.json is written, and the steps that count: a reporter

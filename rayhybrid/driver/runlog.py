@@ -1,10 +1,11 @@
 """The one writer of a run's outputs: metrics.jsonl, the step lines and progress bar,
-workers.json and summary.json; its reporters (`rayhybrid.driver.reporting`: the observer, the
-experiment trackers) get every record too, at fixed points.
+workers.json and summary.json; its reporters (`rayhybrid.driver.reporting`: the wall clock's
+goodput, attached here, the observer, the experiment trackers) get every record too, at fixed
+points.
 
     log = RunLog(cfg)                             # <run dir>/metrics.jsonl
     log.attach(reporter)                          # the observer, the trackers
-    log.checkpoints_in(store.display)             # the summary's checkpoint_dir
+    log.checkpoints_in(store.display, store)      # the summary's checkpoint_dir; the reporters get the store
     log.step(metrics)                             # one optimizer step (a dict from the workers)
     log.event(record)                             # checkpoint, resume, fault_injected, preemption, ...
     log.interruption(interruption)                # a restart or resize, once its first step is done
@@ -37,6 +38,8 @@ from rayhybrid.config.topology import Layout, describe_data_parallel, groups_acr
 from rayhybrid.driver.raytext import RayText
 from rayhybrid.driver.records import Interruption, RunSummary, StepMetrics
 from rayhybrid.driver.reporting import Reporter
+from rayhybrid.driver.wallclock import Wallclock
+from rayhybrid.storage.store import Store
 from rayhybrid.trainer.startup import PhaseClock, critical_path
 
 log = logging.getLogger("rayhybrid")
@@ -106,14 +109,17 @@ class RunLog:
             run_dir=str(self.dir),
             checkpoint_dir="",
         )
+        self.attach(Wallclock(cfg, self.clock, self.summary, self.dir, emit=self.event))  # goodput
 
     def attach(self, reporter: Reporter) -> None:
         """`reporter` gets the records from now on (`rayhybrid.driver.reporting`)."""
         self.reporters.append(reporter)
 
-    def checkpoints_in(self, display: str) -> None:
-        """Where the run's checkpoints go, as the summary shows it (redacted)."""
+    def checkpoints_in(self, display: str, store: Store | None = None) -> None:
+        """Where the run's checkpoints go, as the summary shows it (redacted); the store, when open."""
         self.summary.checkpoint_dir = display
+        for reporter in self.reporters if store is not None else []:
+            reporter.on_store(store)
 
     def step(self, metrics: StepMetrics) -> StepMetrics:
         """Record one step (after the reporters' figures); returns the record."""
@@ -140,6 +146,11 @@ class RunLog:
         self.summary.record(record)
         for reporter in self.reporters:
             reporter.on_event(record)
+
+    def save_blocked(self, step: int, seconds: float | None) -> None:
+        """An asynchronous save of `step` blocked training for `seconds` (its record: at the commit)."""
+        for reporter in self.reporters:
+            reporter.on_save_blocked(step, seconds or 0.0)
 
     def injected(self, injection):
         """A `fault.inject` fault due now (or None), recorded before it fires; returns it."""
@@ -264,6 +275,8 @@ class RunLog:
         """Forget steps after `step` (they will be trained again from a checkpoint), in memory
         and in metrics.jsonl, so every step appears once with the values that count."""
         self.history = [m for m in self.history if m["step"] <= step]
+        for reporter in self.reporters:
+            reporter.on_rewind(step)
         self.data_trace.rewind(step)
         self.metrics_file.close()
         kept = []
