@@ -4,6 +4,16 @@ communication by the schedule's ideal share, the ranks' splits merged into the r
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
 import pytest
 
 from rayhybrid.cluster.merge import merge_steps, split_mean
@@ -65,6 +75,11 @@ def test_outside_a_step_parts_count_nothing_and_hooks_pass_through(fake_time):
     with clock.part("compute"):  # an evaluation's forward, after the step: not counted
         fake_time.now += 7.0
     assert clock.seconds["compute"] == 0.5
+
+
+def test_a_clock_that_never_began_ends_with_nothing():
+    clock = StepClock()  # an evaluation before the first step ends no step
+    assert sum(clock.end().values()) == 0 and split_module.ACTIVE is None
 
 
 def test_a_hooked_wait_is_charged_to_the_running_step(fake_time):
@@ -140,3 +155,205 @@ def test_a_rank_with_no_figures_of_the_step_has_none_in_compute_by_rank():
 
 def test_a_split_of_nothing_is_zeros():
     assert split_mean([dict.fromkeys(SPLIT_PARTS, 0.0)], 1.0) == dict.fromkeys(SPLIT_PARTS, 0.0)
+
+
+# -- real runs (Ray, gloo on CPU) -------------------------------------------------------------------
+
+SMALL = ["train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=32"]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "event" not in r and "step_time_s" in r]
+
+
+@pytest.mark.slow
+def test_a_hybrid_run_splits_every_step_into_its_seven_parts(local_ray, tmp_path, caplog):
+    """dp2_pp2_tp2: every record's split adds up to its step time and shows each kind of wait;
+    summary.json holds the run's split and the log its table."""
+    import rayhybrid
+
+    with caplog.at_level(logging.INFO, logger="rayhybrid"):
+        summary = rayhybrid.train(["+topology=dp2_pp2_tp2", *SMALL, "train.steps=4"], run_dir=tmp_path / "run")
+    steps = step_records(Path(summary["run_dir"]))
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        split = r["split"]
+        assert list(split) == list(SPLIT_PARTS) and min(split.values()) >= 0
+        assert abs(sum(split.values()) - r["step_time_s"]) < 1e-6, r
+        assert split["comm_tp_s"] > 0 and split["comm_dp_s"] > 0, split
+        assert split["comm_pp_s"] + split["bubble_s"] > 0, split
+        assert len(r["compute_s_by_rank"]) == 8 and all(c > 0 for c in r["compute_s_by_rank"])
+        assert r["compute_s"] == split["compute_s"]
+    table = summary["mfu_split"]
+    assert table["steps"] == 3 and table["first_step_left_out"]
+    assert sum(table["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+    kept = [r["split"] for r in steps[1:]]
+    assert table["seconds"]["comm_tp_s"] == pytest.approx(sum(s["comm_tp_s"] for s in kept), abs=1e-5)
+    assert "MFU split over 3 kept steps after the first" in caplog.text and "comm pp" in caplog.text
+
+
+def duty_cycle(pid: int, done: threading.Event, stopped_s: float = 0.01, running_s: float = 0.01) -> None:
+    """Stop and continue process `pid` in turn (half the time stopped) until `done`; it is left
+    running."""
+    try:
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(running_s)
+    except ProcessLookupError:
+        return
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def when_step(run_dir: Path, step: int, thread: threading.Thread, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and thread.is_alive():
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and sum('"loss"' in line for line in path.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def slowness(record: dict, rank: int) -> float:
+    """A rank's compute_s over the median of the others' in one step record."""
+    by_rank = record["compute_s_by_rank"]
+    others = statistics.median(c for r, c in enumerate(by_rank) if r != rank)
+    return by_rank[rank] / others
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["dp2", "dp2_tp2"])
+def test_a_rank_stopped_half_the_time_computes_twice_as_long_and_its_peers_do_not(local_ray, tmp_path, topology):
+    """60 steps: the first 33 untouched, where no rank is 1.2x slower than the median of the
+    others for 5 steps in a row; then rank 1's process is stopped and continued on a 50% duty
+    cycle from outside, and its own compute_s is at least 1.3x the others' median over most
+    steps: its peers, which wait for it in the gradient reduction (and at tp2 its tp peer in
+    the tensor-parallel collectives), do not count the wait as compute."""
+    import rayhybrid
+
+    run_dir = tmp_path / "run"
+    overrides = [f"+topology={topology}", "train.global_batch_size=16", "train.micro_batch_size=4", "data.seq_len=128"]
+    result: dict = {}
+
+    def train() -> None:
+        result["summary"] = rayhybrid.train([*overrides, "train.steps=60"], run_dir=run_dir)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    when_step(run_dir, 33, thread)
+    pid = json.loads((run_dir / "workers.json").read_text())[1]["pid"]
+    done = threading.Event()
+    stopper = threading.Thread(target=duty_cycle, args=(pid, done), daemon=True)
+    stopper.start()
+    thread.join(timeout=600)
+    done.set()
+    stopper.join(timeout=10)
+    assert "summary" in result, "the run did not finish"
+    steps = {r["step"]: r for r in step_records(run_dir)}
+    ranks = range(len(steps[1]["compute_s_by_rank"]))
+    calm = [max(slowness(steps[s], rank) for rank in ranks) for s in range(2, 34)]
+    stopped = [slowness(steps[s], 1) for s in range(35, 61)]
+    print(f"{topology}: slowest rank untouched {[round(x, 2) for x in calm]}")
+    print(f"{topology}: rank 1 stopped half the time {[round(x, 2) for x in stopped]}")
+    streaks = [calm[i : i + 5] for i in range(len(calm) - 4)]
+    assert not any(min(streak) >= 1.2 for streak in streaks), [round(x, 2) for x in calm]
+    assert sum(x >= 1.3 for x in stopped) >= 0.7 * len(stopped), [round(x, 2) for x in stopped]
+    assert statistics.median(stopped) >= 1.5, [round(x, 2) for x in stopped]
+
+
+# -- from_run: the run's measured goodput beside the simulator's (no Ray) ------------------------------
+
+
+def synthetic_run(root: Path, goodput: dict | None) -> Path:
+    """A run of 8 ranks (dp2 x pp2 x tp2), 40 steps of 0.5 s, one restart, as the run log writes
+    it; summary.json with `goodput` (the driver's measured seconds by cause) unless None."""
+    run = root / "run"
+    run.mkdir()
+    topo = {"dp": 2, "pp": 2, "tp": 2}
+    records = [{"step": s, "loss": 1.0, "step_time_s": 0.5, **topo} for s in range(1, 41)]
+    records.append(
+        {"event": "restart", "restart": 1, "failed_step": 20, "cause": "rank 3: boom", "resume_step": 18}
+        | {"detect_s": 2.0, "teardown_s": 1.0, "place_s": 0.5, "init_s": 3.0, "restore_s": 1.5, "first_step_s": 1.0}
+    )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = {"status": "completed"} | ({"goodput": goodput} if goodput is not None else {})
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+MEASURED = {
+    "productive": 20.0,
+    "startup": 6.0,
+    "data_wait": 0.5,
+    "bubble": 3.0,
+    "exposed_comm": 2.0,
+    "host_overhead": 0.5,
+    "checkpoint": 1.0,
+    "evaluation": 0.0,
+    "detection": 2.0,
+    "teardown": 1.0,
+    "worker_init": 3.5,
+    "restore": 1.5,
+    "redone": 1.0,
+    "waiting_for_nodes": 0.0,
+    "preemption_drain": 0.0,
+}
+
+
+def test_from_run_puts_the_runs_measured_goodput_beside_the_simulated_one(tmp_path, capsys):
+    from rayhybrid.goodput.__main__ import main
+
+    wall = sum(MEASURED.values())  # 42 s
+    goodput = {"seconds": MEASURED, "wall_s": wall, "effective_time": 20.0 / wall, "processes": 2}
+    run = synthetic_run(tmp_path, goodput)
+    main(["gpus=1024", "days=1", f"from_run={run}", f"output_dir={tmp_path / 'out'}", "strategy=all"])
+    report = json.loads((tmp_path / "out" / "goodput.json").read_text())
+    beside = report["from_run"]["vs_simulated"]
+    # The simulator ran the run itself: its 8 ranks in replicas of pp x tp = 4, over its wall time.
+    assert (beside["ranks"], beside["replica_ranks"], beside["wall_s"], beside["processes"]) == (8, 4, wall, 2)
+    measured = beside["measured"]
+    assert measured["effective_time"] == pytest.approx(20.0 / wall)
+    assert measured["lost_s"] == {
+        "detection": 2.0,
+        "restart": 6.0,  # teardown + worker_init + restore
+        "redone_work": 1.0,
+        "checkpoint": 1.0,
+        "waiting_for_nodes": 0.0,
+        "stopped": 0.0,
+    }
+    not_simulated = {"startup": 6.0, "data_wait": 0.5, "bubble": 3.0, "exposed_comm": 2.0, "host_overhead": 0.5}
+    assert beside["not_simulated_s"] == not_simulated | {"evaluation": 0.0, "preemption_drain": 0.0}
+    assert set(beside["simulated"]) == {"restart_all", "replace_failed", "peer_heal", "elastic", "elastic_no_spares"}
+    for strategy in beside["simulated"].values():
+        assert 0.0 < strategy["effective_time"] <= 1.0
+        lost = sum(strategy["lost_s"].values())
+        assert strategy["effective_time"] == pytest.approx(1.0 - lost / wall, abs=1e-3)
+    out = capsys.readouterr().out
+    assert "the run beside the simulator at its own size: 8 ranks" in out
+    assert f"{20.0 / wall:.4f}" in out and "not simulated: startup 6.0" in out
+
+
+def test_from_run_without_a_measured_goodput_is_one_line_naming_the_setting(tmp_path, capsys):
+    from rayhybrid.goodput.__main__ import main
+
+    run = synthetic_run(tmp_path, None)
+    with pytest.raises(SystemExit) as exit_:
+        main(["gpus=1024", "days=1", f"from_run={run}", f"output_dir={tmp_path / 'out'}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error: from_run:" in err and "has no goodput" in err, err
+    assert "summary.json's goodput" in err  # the fix

@@ -129,6 +129,8 @@ class StepClock:
         global ACTIVE
         if ACTIVE is self:
             ACTIVE = None
+        if not self.active:  # no step began (an evaluation before the first), or it ended already
+            return dict(self.seconds)
         self.active = False
         now = time.perf_counter()
         self.seconds[self.stack[-1][0]] += now - self.mark
