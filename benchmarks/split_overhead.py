@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ROUNDS, STEPS = 8, 8
+ROUNDS, STEPS = 24, 2
 MODEL = ["train.global_batch_size=16", "train.micro_batch_size=2", "data.seq_len=64"]
 
 
