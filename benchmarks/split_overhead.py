@@ -32,15 +32,16 @@ MODEL = ["train.global_batch_size=16", "train.micro_batch_size=2", "data.seq_len
 
 def hooks() -> list[tuple[object, str]]:
     """Where `split.install` hooked torch: (owner, attribute)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.distributed.pipelining import schedules
+    import importlib
 
-    return [
-        *((AsyncCollectiveTensor, n) for n in ("trigger_wait", "wait")),
-        *((FSDPParamGroup, n) for n in ("unshard", "wait_for_unshard", "post_backward", "finalize_backward")),
-        (schedules, "_wait_batch_p2p"),
-    ]
+    from rayhybrid.trainer.split import HOOKS
+
+    found = []
+    for module, owner, names, _, _ in HOOKS:
+        target = importlib.import_module(module)
+        target = getattr(target, owner) if owner else target
+        found += [(target, name) for name in names]
+    return found
 
 
 def switch(trainer, on: bool, saved: dict) -> None:

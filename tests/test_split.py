@@ -98,6 +98,22 @@ def test_a_hooked_wait_is_charged_to_the_running_step(fake_time):
     assert seconds["dp"] == pytest.approx(0.3) and seconds["tp"] == pytest.approx(0.3)
 
 
+def test_the_hooks_go_in_once_and_a_place_torch_moved_is_one_warning(monkeypatch, caplog):
+    from torch.distributed.pipelining import schedules
+
+    split_module.install()
+    hooked = schedules._wait_batch_p2p
+    split_module.install()  # once per process: not wrapped twice
+    assert schedules._wait_batch_p2p is hooked and hooked.__wrapped__ is not None
+    monkeypatch.setattr(split_module, "_INSTALLED", False)
+    moved = [("torch.distributed.pipelining.schedules", "", ("_a_wait_torch_moved",), "pp", "pp")]
+    with caplog.at_level(logging.WARNING, logger="rayhybrid.trainer.split"):
+        split_module.install(moved)
+    (record,) = caplog.records
+    assert "does not see the pp waits, which count as compute" in record.getMessage()
+    assert schedules._wait_batch_p2p is hooked
+
+
 def test_the_ideal_bubble_of_a_schedule():
     assert ideal_bubble(1, 1, 8) == 0.0
     assert ideal_bubble(2, 1, 4) == pytest.approx(1 / 5)  # (p-1)/(m+p-1)

@@ -27,12 +27,16 @@ host syncs: the loss read and the commit vote, no sync added).
 
 from __future__ import annotations
 
+import importlib
+import logging
 import threading
 import time
 
 import torch
 
 from rayhybrid.trainer.results import SPLIT_PARTS
+
+log = logging.getLogger(__name__)
 
 COMM = ("tp", "dp", "pp")
 """The communication waits, by the mesh dimension whose peers the rank waits for."""
@@ -197,21 +201,37 @@ def _waited(fn, kind: str | None):
     return waited
 
 
+HOOKS = (
+    ("torch.distributed._functional_collectives", "AsyncCollectiveTensor", ("trigger_wait", "wait"), None, "tp"),
+    (
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group",
+        "FSDPParamGroup",
+        ("unshard", "wait_for_unshard", "post_backward", "finalize_backward"),
+        "dp",
+        "dp",
+    ),
+    ("torch.distributed.pipelining.schedules", "", ("_wait_batch_p2p",), "pp", "pp"),
+)
+"""Where torch blocks: (module, class in it or "" for the module, functions, the wait's kind
+(None: the enclosing part's), what the waits are, for the warning when torch moved them)."""
+
 _INSTALLED = False
 
 
-def install() -> None:
-    """Hook the waits torch blocks in (once per process; see the module's docstring)."""
+def install(hooks=HOOKS) -> None:
+    """Hook the waits torch blocks in (once per process; see the module's docstring). A place
+    torch moved is skipped with one warning: its waits then count as compute."""
     global _INSTALLED
     if _INSTALLED:
         return
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.distributed.pipelining import schedules
-
-    for name in ("trigger_wait", "wait"):
-        setattr(AsyncCollectiveTensor, name, _waited(getattr(AsyncCollectiveTensor, name), None))
-    for name in ("unshard", "wait_for_unshard", "post_backward", "finalize_backward"):
-        setattr(FSDPParamGroup, name, _waited(getattr(FSDPParamGroup, name), "dp"))
-    schedules._wait_batch_p2p = _waited(schedules._wait_batch_p2p, "pp")
     _INSTALLED = True
+    for module, owner, names, kind, what in hooks:
+        try:
+            target = importlib.import_module(module)
+            target = getattr(target, owner) if owner else target
+            found = [(name, getattr(target, name)) for name in names]
+        except (ImportError, AttributeError) as err:
+            log.warning("the MFU split does not see the %s waits, which count as compute: %s", what, err)
+            continue
+        for name, fn in found:
+            setattr(target, name, _waited(fn, kind))
