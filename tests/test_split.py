@@ -114,6 +114,50 @@ def test_the_hooks_go_in_once_and_a_place_torch_moved_is_one_warning(monkeypatch
     assert schedules._wait_batch_p2p is hooked
 
 
+class FakeEvent:
+    """torch.cuda.Event on a device whose stream runs `lag` seconds behind the host's clock."""
+
+    clock: FakeTime
+    lag = 0.0
+    synchronized = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = self.clock.now + FakeEvent.lag
+
+    def synchronize(self) -> None:
+        FakeEvent.synchronized += 1
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.at - self.at) * 1e3  # milliseconds, as torch's
+
+
+def test_on_cuda_the_waits_are_the_streams_between_two_events(fake_time, monkeypatch):
+    """The device's waits (event pairs on the current stream) replace the host's readings of
+    them; a wait inside a wait is the outer one's time, not counted twice."""
+    import torch
+
+    FakeEvent.clock = fake_time
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    clock = StepClock(torch.device("cuda"))
+    clock.begin()
+    with clock.part("compute"):
+        fake_time.now += 1.0
+        with clock.wait():  # the host returns at once; the stream waits 0.5 s behind it
+            FakeEvent.lag = 0.0
+            with clock.wait("dp"):  # inside the tp wait: were it timed, dp would hold its 0.2 s
+                FakeEvent.lag = 0.2
+            FakeEvent.lag = 0.5
+    with clock.part("compute", "dp"), clock.wait():
+        FakeEvent.lag = 0.75
+    seconds = clock.end()
+    assert seconds["tp"] == pytest.approx(0.5) and seconds["dp"] == pytest.approx(0.25)
+    assert seconds["compute"] == 1.0 and FakeEvent.synchronized == 2  # two outer waits, read once each
+
+
 def test_the_ideal_bubble_of_a_schedule():
     assert ideal_bubble(1, 1, 8) == 0.0
     assert ideal_bubble(2, 1, 4) == pytest.approx(1 / 5)  # (p-1)/(m+p-1)

@@ -110,7 +110,7 @@ class StepClock:
         start = None
         if name is None:  # a wait
             name = comm
-            if self.cuda:
+            if self.cuda and top[0] not in COMM:  # a wait inside a wait is the outer one's time
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
         self.stack.append((name, comm, start))
