@@ -40,7 +40,8 @@ def _merge(step: list[tuple[int, dict]], dp: int, replica_size: int, world: int)
         metrics["cpu_s"] = max(m["cpu_s"] for _, m in step if "cpu_s" in m)
     bubbles = [m["bubble"] for _, m in step if m.get("bubble") is not None]
     metrics["bubble"] = sum(bubbles) / len(bubbles) if bubbles else None  # the pipeline's idle share
-    if splits := [m["split"] for _, m in step if "split" in m]:  # the MFU split: see `split_mean`
+    splits = [m["split"] for _, m in step if "split" in m]
+    if splits and "step_time_s" in metrics:  # the MFU split: see `split_mean`
         metrics["split"] = split_mean(splits, metrics["step_time_s"])
         metrics["compute_s"] = metrics["split"]["compute_s"]
         by_rank = {rank: m.get("compute_s") for rank, m in step}
