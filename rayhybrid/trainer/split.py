@@ -7,7 +7,7 @@ split, docs/observability.md "The MFU split"):
         with clock.wait():             # blocked on a collective (hooked: `install`)
             ...
     seconds = clock.end()              # {"compute", "host", "data", "tp", "dp", "pp"}: seconds
-    split = split_step(seconds, step_time_s, window_s=..., ideal_bubble=...)   # the seven parts
+    split = split_step(seconds, step_time_s, window_s=..., ideal=...)   # the seven parts
 
 Every second of the step belongs to the innermost part open at that moment (the step itself is
 "host"), so a rank blocked on a peer is never computing: a rank stopped from outside shows its
