@@ -101,7 +101,9 @@ def test_one_rank_per_stage_has_no_peers_and_says_so_once(caplog):
 def test_watch_writes_the_event_and_the_summary_and_drains_on_evacuate(caplog):
     events, drained = [], []
     fault = load_config(["fault.straggler=evacuate", "fault.straggler_steps=2"]).fault
-    watch = StragglerWatch(fault, types.SimpleNamespace(event=events.append), drain=lambda *a: drained.append(a))
+    watch = StragglerWatch(
+        fault, types.SimpleNamespace(event=events.append), drain=lambda *a: drained.append(a) or True
+    )
     watch.after_workers_start(placement(2), {})
     with caplog.at_level(logging.WARNING, logger="rayhybrid"):
         for step in range(1, 6):
@@ -134,3 +136,12 @@ def test_bad_settings_name_the_setting(overrides, setting):
     with pytest.raises(ConfigError) as info:
         load_config(overrides)
     assert info.value.setting == setting and "\n" not in str(info.value)
+
+
+def test_a_drain_ray_refuses_leaves_the_action_warn():
+    events = []
+    fault = load_config(["fault.straggler=evacuate", "fault.straggler_steps=1"]).fault
+    watch = StragglerWatch(fault, types.SimpleNamespace(event=events.append), drain=lambda node, why: False)
+    watch.after_workers_start(placement(3), {})
+    watch.after_step({"step": 1, "compute_s_by_rank": [0.1, 0.1, 0.3]})
+    assert [e["action"] for e in events] == ["warn"] and watch.drained == {}

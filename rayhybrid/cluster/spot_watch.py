@@ -76,3 +76,17 @@ def start_watchers(nodes, interval_s: float = 5.0) -> dict[str, object]:
         watchers[node] = actor_cls.options(scheduling_strategy=strategy).remote(gcs, node, interval_s)
         watchers[node].start.remote()
     return watchers
+
+
+def drain_straggler_node(node_id: str, message: str) -> bool:
+    """`drain_node` for a straggler's node (fault.straggler=evacuate), never the driver's own:
+    Ray shuts a drained node down once nothing runs on it, and the driver runs there (on a
+    single-node run, the only node). Whether Ray accepted."""
+    if node_id == ray.get_runtime_context().get_node_id():
+        log.warning(
+            "fault.straggler=evacuate: node %s is the driver's own node, which is not drained (Ray would shut it "
+            "down once idle); the run stays on it",
+            node_id[:8],
+        )
+        return False
+    return drain_node(node_id, message)

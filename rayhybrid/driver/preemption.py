@@ -17,7 +17,7 @@ import time
 from rayhybrid.cluster.group import not_placed_again
 from rayhybrid.cluster.placement import draining_nodes
 from rayhybrid.cluster.spot import detect_cloud
-from rayhybrid.cluster.spot_watch import drain_node, start_watchers
+from rayhybrid.cluster.spot_watch import drain_straggler_node, start_watchers
 from rayhybrid.driver.records import Interruption
 from rayhybrid.driver.state import Failed, Resizing, RunState
 from rayhybrid.driver.stragglers import StragglerWatch
@@ -37,7 +37,7 @@ class DrainWatch:
         # (probed in the background: a run without one never waits for the probe).
         self.cloud = _in_background(detect_cloud) if cfg.cluster.spot_notices else None
         self.watched: dict[str, object] = {}  # node id -> its watcher actor
-        self.stragglers = StragglerWatch(cfg.fault, ledger.log, drain=drain_node)
+        self.stragglers = StragglerWatch(cfg.fault, ledger.log, drain=drain_straggler_node)
         if cfg.fault.straggler != "off":
             ledger.log.attach(self.stragglers)
 

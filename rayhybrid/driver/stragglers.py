@@ -123,7 +123,7 @@ class StragglerWatch(Reporter):
         self.action, self.slowdown, self.steps = fault.straggler, fault.straggler_slowdown, fault.straggler_steps
         self.runlog = runlog
         self.drain = drain
-        """node id, message -> None: asks Ray to drain the node (evacuate); tests pass their own."""
+        """node id, message -> whether Ray drains it (evacuate); tests pass their own."""
         self.policy: StragglerPolicy | None = None
         self.named: list[dict] = []
         self.said_no_peers = False
@@ -146,25 +146,33 @@ class StragglerWatch(Reporter):
             self.name(named)
 
     def name(self, n: Named) -> None:
+        """The warning line and the event; with evacuate, Ray asked first to drain the node (the
+        event's action says "warn" where it refused, or for the driver's own node)."""
         dp, pp, tp = n.coords
-        others = (
-            f" (with rank(s) {', '.join(map(str, (r for r in n.ranks if r != n.rank)))})" if len(n.ranks) > 1 else ""
-        )
-        what = "moving off it" if self.action == "evacuate" else "set fault.straggler=evacuate to move off it"
+        action = "evacuate" if self.action == "evacuate" and self._drain(n) else "warn"
+        others = [r for r in n.ranks if r != n.rank]
         log.warning(
             "straggler: rank %d (dp %d, pp %d, tp %d)%s on node %s (%s) computes %.2fx its peers' median "
             "for %d steps in a row at step %d; %s",
-            *(n.rank, dp, pp, tp, others, n.node[:8], n.ip, n.slowdown, n.steps, n.step, what),
+            *(n.rank, dp, pp, tp, f" (and rank(s) {', '.join(map(str, others))})" if others else ""),
+            *(n.node[:8], n.ip, n.slowdown, n.steps, n.step),
+            "moving off it" if action == "evacuate" else "set fault.straggler=evacuate to move off it",
         )
         record = {"event": "straggler", "step": n.step, "rank": n.rank, "dp": dp, "pp": pp, "tp": tp}
         record |= {"ranks": list(n.ranks), "node": n.node, "ip": n.ip, "slowdown": n.slowdown, "steps": n.steps}
-        record["action"] = self.action
+        record["action"] = action
         self.named.append({k: v for k, v in record.items() if k != "event"})
         self.runlog.event(record)
-        if self.action == "evacuate" and self.drain is not None and n.node not in self.drained:
-            why = f"straggler: rank {n.rank} computes {n.slowdown:.2f}x its peers' median"
-            self.drained[n.node] = why
-            self.drain(n.node, f"rayhybrid {why} (fault.straggler=evacuate)")
+
+    def _drain(self, n: Named) -> bool:
+        """Ask Ray to drain the straggler's node (once): whether it is being drained."""
+        if n.node in self.drained:
+            return True
+        why = f"straggler: rank {n.rank} computes {n.slowdown:.2f}x its peers' median"
+        if self.drain is None or not self.drain(n.node, f"rayhybrid {why} (fault.straggler=evacuate)"):
+            return False
+        self.drained[n.node] = why
+        return True
 
     def before_close(self, summary: dict, history: list) -> None:
         summary["stragglers"] = self.named
