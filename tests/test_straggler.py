@@ -8,11 +8,13 @@ no slow rank names none over 200 steps."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import types
 
 import pytest
+import ray
 
 from rayhybrid.driver.stragglers import StragglerPolicy, StragglerWatch
 from rayhybrid.errors import ConfigError
@@ -145,3 +147,158 @@ def test_a_drain_ray_refuses_leaves_the_action_warn():
     watch.after_workers_start(placement(3), {})
     watch.after_step({"step": 1, "compute_s_by_rank": [0.1, 0.1, 0.3]})
     assert [e["action"] for e in events] == ["warn"] and watch.drained == {}
+
+
+# -- real runs: CPU gloo on a three-node Cluster (one replica per node, one node spare) --------
+
+# dp2, a replica per node (a rank takes a node's 2 CPUs), on two of the three nodes.
+RUN = [
+    "+topology=dp2",
+    "cluster.cpus_per_rank=2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "data.seq_len=64",
+    "checkpoint.every=1000",  # the move's own checkpoint is the one restored (and the last step's)
+    "train.steps=200",
+    # No warm standby: its start (torch imported beside the ranks, on this machine's 2 cores) is
+    # a real noisy neighbour, which made one rank 1.2x slower up to 4 steps in a row (3 runs).
+    "fault.standby=0",
+]
+STOP_S, RUN_S = 0.014, 0.006  # the slowed rank's duty cycle: stopped 70% of every 20 ms
+SLACK = 2  # steps: the one in progress when the slowing starts, and a record written meanwhile
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from benchmarks.clusters import local_cluster
+
+    with local_cluster(head_cpus=0, node_cpus=[2, 2, 2]) as (c, _):
+        yield c
+
+
+@pytest.fixture(scope="module")
+def quiet_run(cluster, tmp_path_factory):
+    """An uninterrupted run with no slow rank: the reference losses, and its summary."""
+    import rayhybrid
+
+    run_dir = tmp_path_factory.mktemp("quiet")
+    summary = rayhybrid.train(RUN, run_dir=run_dir)
+    assert summary["status"] == "completed"
+    return run_dir, summary
+
+
+class DutyCycle:
+    """Slows one process from outside: SIGSTOP for STOP_S, SIGCONT for RUN_S, until `stop()`
+    (it always leaves the process continued)."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.pid, self.done = pid, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import os
+        import signal
+        import time
+
+        try:
+            while not self.done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(STOP_S)
+                os.kill(self.pid, signal.SIGCONT)
+                time.sleep(RUN_S)
+        except ProcessLookupError:
+            return
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(timeout=5)
+
+
+def records(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(predicate, timeout: float = 240.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise TimeoutError("not seen in time")
+
+
+def steps_done(run_dir) -> int:
+    return sum("event" not in r for r in records(run_dir))
+
+
+def slowed_run(overrides: list[str], run_dir, victim_dp: int = 1):
+    """A run of RUN + `overrides` whose replica `victim_dp` is slowed from step 10 until the run
+    names a straggler: (summary, the victim's placement entry, the last step before the slowing)."""
+    from tests.test_recovery import in_background, when_step
+
+    thread, result = in_background([*RUN, *overrides], run_dir)
+    when_step(run_dir, 10)
+    victim = next(w for w in json.loads((run_dir / "workers.json").read_text()) if w["dp"] == victim_dp)
+    before = steps_done(run_dir)
+    with DutyCycle(victim["pid"]):
+        wait_for(lambda: [r for r in records(run_dir) if r.get("event") == "straggler"] or not thread.is_alive())
+    thread.join(timeout=400)
+    assert "summary" in result, result.get("error")
+    return result["summary"], victim, before
+
+
+@pytest.mark.slow
+def test_no_slow_rank_names_none_over_200_steps(quiet_run):
+    run_dir, summary = quiet_run
+    assert summary["stragglers"] == [] and not [r for r in records(run_dir) if r.get("event") == "straggler"]
+    assert summary["steps"] == 200
+    assert all(len(r["compute_s_by_rank"]) == 2 for r in records(run_dir) if "event" not in r)
+
+
+@pytest.mark.slow
+def test_a_rank_slowed_from_outside_is_named_with_its_node(cluster, tmp_path):
+    summary, victim, before = slowed_run([], tmp_path / "run")
+    (named,) = summary["stragglers"]
+    assert (named["rank"], named["dp"], named["node"], named["action"]) == (
+        victim["rank"],
+        1,
+        victim["node_id"],
+        "warn",
+    )
+    assert named["ip"] == victim["ip"] and named["slowdown"] >= 1.2 and named["steps"] == 5
+    assert before < named["step"] <= before + 5 + SLACK
+    assert summary["preemptions"] == [] and summary["restarts"] == 0
+
+
+@pytest.mark.slow
+def test_evacuate_moves_off_the_slow_node_losing_nothing(cluster, quiet_run, tmp_path):
+    from tests.test_recovery import losses
+
+    run_dir = tmp_path / "run"
+    summary, victim, before = slowed_run(["fault.straggler=evacuate"], run_dir)
+    (named,) = summary["stragglers"]
+    assert (named["node"], named["action"]) == (victim["node_id"], "evacuate")
+    assert before < named["step"] <= before + 5 + SLACK
+    (move,) = summary["preemptions"]
+    assert move["node"] == victim["node_id"] and move["reason"] == "straggler" and move["lost_steps"] == 0
+    assert summary["status"] == "completed" and summary["restarts"] == 0
+    assert victim["node_id"] not in {w["node_id"] for w in summary["placement"]}
+    assert losses(run_dir) == losses(quiet_run[0])  # each step once, bitwise
+    # Ray shuts a drained node down once nothing runs on it (docs/observability.md#stragglers).
+    alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+    wait_for(
+        lambda: not alive.update({n["NodeID"]: n["Alive"] for n in ray.nodes()}) and not alive[victim["node_id"]], 60
+    )
