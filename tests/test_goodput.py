@@ -264,6 +264,25 @@ RESTARTS = [
 ]
 
 
+GOODPUT_CAUSES = (
+    "startup",
+    "data_wait",
+    "bubble",
+    "exposed_comm",
+    "host_overhead",
+    "checkpoint",
+    "evaluation",
+    "detection",
+    "teardown",
+    "worker_init",
+    "restore",
+    "redone",
+    "waiting_for_nodes",
+    "preemption_drain",
+)
+"""summary.json's goodput causes besides productive (the driver's, docs/goodput.md)."""
+
+
 def fake_run(root: Path, restarts=RESTARTS) -> Path:
     run, ckpt = root / "run", root / "ckpt" / "step_00000020"
     ckpt.mkdir(parents=True)
@@ -286,7 +305,10 @@ def fake_run(root: Path, restarts=RESTARTS) -> Path:
             | {"replaced_ranks": [1], "dp_before": 2, "dp_after": 2, "save_s": 0.0, "total_s": 20.0, **r}
         )
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (run / "summary.json").write_text(json.dumps({"checkpoint_dir": str(root / "ckpt"), "restarts": 3}))
+    seconds = dict.fromkeys(GOODPUT_CAUSES, 1.0) | {"productive": 18.0}  # what the driver measured
+    goodput = {"seconds": seconds, "wall_s": 32.0, "effective_time": 18.0 / 32.0, "processes": 4}
+    summary = {"checkpoint_dir": str(root / "ckpt"), "restarts": 3, "goodput": goodput}
+    (run / "summary.json").write_text(json.dumps(summary))
     return run
 
 

@@ -59,6 +59,9 @@ SCHEDULES = "torch.distributed.pipelining.schedules"
 MEM_TRACKER = "torch.distributed._tools.mem_tracker.MemTracker"
 PACKAGING = "ray._private.runtime_env"
 TOKEN = "ray._private.authentication.authentication_token_setup"
+FUNCOL = "torch.distributed._functional_collectives"
+FSDP_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"
+SPLIT = "trainer/split.py: the MFU split's waits, hooked (without: counted as compute, one warning)"
 
 PRIVATE = (
     # Ray
@@ -117,8 +120,8 @@ PRIVATE = (
     Private("torch._functorch.config.enable_autograd_cache", COMPILE),
     Private("torch._functorch.config.donated_buffer", COMPILE + " (off: the zero-bubble schedules)"),
     Private(
-        "torch.distributed._functional_collectives.AsyncCollectiveTensor.wait",
-        "parallel/compile.py: a compiled block's lazily waited input (llama3 under tp)",
+        f"{FUNCOL}.AsyncCollectiveTensor.wait",
+        f"parallel/compile.py: a compiled block's lazily waited input (llama3 under tp); {SPLIT}",
         (1, ()),
     ),
     Private(f"{SCHEDULES}._ComputationType.FORWARD", PIPE),
@@ -131,7 +134,12 @@ PRIVATE = (
         "parallel/pipeline.py Stage: zbv on gloo under torch 2.11 (overridden; 2.13 does not call it)",
         (1, ()),
     ),
-    Private(f"{SCHEDULES}._wait_batch_p2p", "trainer/instrument.py: trace.json's p2p waits (swapped)", (1, ())),
+    Private(
+        f"{SCHEDULES}._wait_batch_p2p", f"trainer/instrument.py: trace.json's p2p waits (swapped); {SPLIT}", (1, ())
+    ),
+    Private(f"{FUNCOL}.AsyncCollectiveTensor.trigger_wait", SPLIT, (1, ())),
+    *(Private(f"{FSDP_GROUP}.{name}", SPLIT) for name in ("unshard", "wait_for_unshard", "post_backward")),
+    Private(f"{FSDP_GROUP}.finalize_backward", SPLIT, (1, ())),
     Private("torch.distributed.checkpoint._fsspec_filesystem.FsspecReader", "trainer/checkpoint.py: loading"),
     Private("torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter", "trainer/checkpoint.py: saving"),
     Private(

@@ -5,7 +5,7 @@ declared in rayhybrid/trainer/results.py; the driver's records (metrics.jsonl) s
 
 from __future__ import annotations
 
-from rayhybrid.trainer.results import StepMetrics, StepResult
+from rayhybrid.trainer.results import SPLIT_PARTS, StepMetrics, StepResult
 
 
 def merge_steps(results: list[list[StepResult] | None], dp: int, replica_size: int) -> list[StepResult]:
@@ -19,12 +19,12 @@ def merge_steps(results: list[list[StepResult] | None], dp: int, replica_size: i
     for i in range(len(ranks[0][1])):
         step = [(rank, steps[i].metrics) for rank, steps in ranks]
         figures = next((steps[i] for _, steps in ranks if "loss" in steps[i].metrics), ranks[0][1][i])
-        merged.append(StepResult(_merge(step, dp, replica_size), figures.saves))
+        merged.append(StepResult(_merge(step, dp, replica_size, len(results)), figures.saves))
     return merged
 
 
-def _merge(step: list[tuple[int, dict]], dp: int, replica_size: int) -> StepMetrics:
-    """One step's per-rank results [(rank, metrics)] -> its record."""
+def _merge(step: list[tuple[int, dict]], dp: int, replica_size: int, world: int) -> StepMetrics:
+    """One step's per-rank results [(rank, metrics)] -> its record (`world`: the ranks' count)."""
     metrics = dict(next((m for _, m in step if "loss" in m), step[0][1]))
     metrics["samples"] = _samples(step, metrics, dp, replica_size)
     metrics.pop("samples_read", None)
@@ -40,6 +40,12 @@ def _merge(step: list[tuple[int, dict]], dp: int, replica_size: int) -> StepMetr
         metrics["cpu_s"] = max(m["cpu_s"] for _, m in step if "cpu_s" in m)
     bubbles = [m["bubble"] for _, m in step if m.get("bubble") is not None]
     metrics["bubble"] = sum(bubbles) / len(bubbles) if bubbles else None  # the pipeline's idle share
+    splits = [m["split"] for _, m in step if "split" in m]
+    if splits and "step_time_s" in metrics:  # the MFU split: see `split_mean`
+        metrics["split"] = split_mean(splits, metrics["step_time_s"])
+        metrics["compute_s"] = metrics["split"]["compute_s"]
+        by_rank = {rank: m.get("compute_s") for rank, m in step}
+        metrics["compute_s_by_rank"] = [by_rank.get(rank) for rank in range(world)]
     if "trace" in metrics:  # metrics.trace_steps: every rank's spans
         metrics["trace"] = [event for _, m in step for event in m.get("trace", [])]
     return metrics
@@ -58,3 +64,13 @@ def _samples(step: list[tuple[int, dict]], metrics: dict, dp: int, replica_size:
     (count,) = {c for _, c in read.values()}
     first = metrics["consumed_samples"] - trained_dp * count
     return [[first + d * count, count] for d in range(trained_dp)]
+
+
+def split_mean(splits: list[dict[str, float]], step_time_s: float) -> dict[str, float]:
+    """The ranks' splits of one step -> their mean, scaled so that its parts add up to the
+    record's `step_time_s` (rank 0's; the ranks' own step times differ by their last wait)."""
+    mean = {name: sum(s.get(name, 0.0) for s in splits) / len(splits) for name in SPLIT_PARTS}
+    total = sum(mean.values())
+    if total <= 0:
+        return dict.fromkeys(SPLIT_PARTS, 0.0)
+    return {name: s * step_time_s / total for name, s in mean.items()}

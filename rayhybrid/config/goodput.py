@@ -135,7 +135,8 @@ SETTINGS = {
     "output_dir": "where goodput.json and goodput.png go; empty: a new outputs/goodput/<date>/<time> under the "
     "current directory",
     "from_run": "a rayhybrid run directory: costs.* from the medians of its metrics.jsonl restart, checkpoint "
-    "and step records, scaled to gpus (docs/goodput.md); costs given on the command line win",
+    "and step records, scaled to gpus (docs/goodput.md); costs given on the command line win; and the run's "
+    "measured goodput (its summary.json's) beside a simulation of the run itself",
     "failures": f"the failure preset: {', '.join(PRESETS)} (llama3: Llama 3 405B's published breakdown; meta: "
     "Meta's research clusters, 7.9 h job MTTF at 1,024 GPUs; both per GPU)",
     "failures.mtbf_hours": "exponential: the whole job's mean time between failures; llama3, meta: 0 keeps the "

@@ -5,7 +5,8 @@ files are a tracker's, rayhybrid.tracking).
     observer = Observer(cfg, run_dir)             # a reporter: runlog.attach(observer)
     observer.after_workers_start(placement, description)   # once the workers describe themselves
     metrics = observer.before_step(metrics)       # adds tflops/mfu, keeps trace spans aside
-    observer.before_close(summary, history)       # trace.json, loss.png, summary figures
+    observer.before_close(summary, history)       # trace.json, loss.png, summary figures, the
+                                                  # MFU split's table in the log
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rayhybrid.config.schema import Config
 from rayhybrid.driver.reporting import Reporter
 from rayhybrid.models.registry import get_spec
 from rayhybrid.tracking import tensorboard_dir
+from rayhybrid.trainer.results import SPLIT_PARTS
 
 if TYPE_CHECKING:
     from rayhybrid.driver.records import StepMetrics
@@ -89,6 +91,9 @@ class Observer(Reporter):
             for name in ("peak_mb", "activation_mb", "reserved_mb"):
                 if any(m.get(name) for m in history):
                     summary[f"{name}_by_stage"] = _by_stage([m[name] for m in history if m.get(name)])
+            if split := mfu_split(steady, summary["mfu"], first_left_out=len(history) > 1):
+                summary["mfu_split"] = split
+                log.info("%s", split_table(split))
         summary["flops_per_token"] = self.flops_per_token
         summary["peak_tflops_per_device"] = self.peak
         if self.trace:
@@ -101,6 +106,57 @@ class Observer(Reporter):
             summary["loss_plot"] = str(loss_plot(history, summary.get("loss_floor"), self.dir / "loss.png"))
         if self.cfg.metrics.tensorboard:  # where the tracker writes them (it closes after summary.json)
             summary["tensorboard"] = str(tensorboard_dir(self.dir))
+
+
+PART_NAMES = {
+    "compute_s": "compute",
+    "comm_dp_s": "comm dp",
+    "comm_tp_s": "comm tp",
+    "comm_pp_s": "comm pp",
+    "bubble_s": "bubble",
+    "data_wait_s": "data wait",
+    "host_s": "host",
+}
+"""The table's rows, in its order (docs/observability.md, "The MFU split")."""
+
+
+def mfu_split(steps: list[dict], mfu: float | None, first_left_out: bool = True) -> dict | None:
+    """The steps' split (their records' `split`) summed: seconds and shares by part, with the
+    run's MFU and what it is over the compute time alone. None: no step has a split.
+    `first_left_out`: `steps` are the kept steps after the first (its start-up is not a step's)."""
+    splits = [m["split"] for m in steps if m.get("split")]
+    if not splits:
+        return None
+    seconds = {part: sum(s.get(part, 0.0) for s in splits) for part in SPLIT_PARTS}
+    total = sum(seconds.values())
+    shares = {part: s / total if total > 0 else 0.0 for part, s in seconds.items()}
+    compute = shares["compute_s"]
+    return {
+        "steps": len(splits),
+        "first_step_left_out": first_left_out,
+        "seconds": {part: round(s, 6) for part, s in seconds.items()},
+        "shares": {part: round(share, 4) for part, share in shares.items()},
+        "mfu": mfu,
+        "mfu_of_compute": round(mfu / compute, 6) if mfu is not None and compute > 0 else None,
+    }
+
+
+def split_table(split: dict) -> str:
+    """`mfu_split` as the table the log shows at the end of a run."""
+    total = sum(split["seconds"].values())
+    which = " after the first" if split.get("first_step_left_out") else ""
+    lines = [f"MFU split over {split['steps']} kept steps{which} ({total:.3f} s):"]
+    lines += [f"  {'part':<10}{'seconds':>11}{'share':>8}"]
+    for part, name in PART_NAMES.items():
+        lines.append(f"  {name:<10}{split['seconds'][part]:>11.3f}{split['shares'][part]:>8.1%}")
+    if split["mfu"] is None:
+        lines.append("  MFU       n/a (no known device peak: set metrics.peak_tflops)")
+    else:
+        alone = split["mfu_of_compute"]
+        lines.append(
+            f"  MFU       {split['mfu']:.4f}" + (f" ({alone:.4f} over the compute time alone)" if alone else "")
+        )
+    return "\n".join(lines)
 
 
 def _by_stage(steps: list[dict[str, float]]) -> dict[str, float]:

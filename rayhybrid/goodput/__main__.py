@@ -8,7 +8,10 @@ decisions are rayhybrid's own (rayhybrid.driver.policies). The model: docs/goodp
 Writes goodput.json and goodput.png to output_dir and prints a table: each strategy's effective
 training time (the share of wall time whose work was kept), its checkpoint interval, and the
 GPU-hours lost by cause. from_run=<run dir> takes the costs from a rayhybrid run's records,
-scaled to the simulated size; costs given on the command line win.
+scaled to the simulated size; costs given on the command line win. It also simulates the run
+itself (its ranks, its wall time, its own costs) and shows its measured goodput (summary.json's
+goodput) beside that: effective time and seconds lost by cause (goodput.json's
+from_run.vs_simulated).
 
 Exit codes: 0 done, 2 bad settings (one line on stderr).
 """
@@ -45,9 +48,27 @@ def main(argv: list[str] | None = None) -> None:
 
         cfg, measured = apply_run(cfg, given(argv)) if cfg.from_run else (cfg, None)
         result = simulate(cfg)
+        beside = measured_beside_simulated(cfg, measured) if measured else None
         folder = write(cfg, result, measured)
         print(table(cfg, result))
+        if beside:
+            print(beside)
         print(f"wrote {folder / 'goodput.json'} and {folder / 'goodput.png'}")
+
+
+def measured_beside_simulated(cfg, measured: dict) -> str:
+    """The run's measured goodput beside the simulator's for the run itself; stored in
+    `measured` (goodput.json's from_run.vs_simulated), returned as the terminal's table."""
+    from pathlib import Path
+
+    from rayhybrid.goodput.from_run import own_size, run_goodput
+    from rayhybrid.goodput.report import comparison, comparison_table
+    from rayhybrid.goodput.simulate import simulate
+
+    goodput = run_goodput(Path(cfg.from_run).expanduser())
+    own = own_size(cfg, measured, goodput["wall_s"])
+    measured["vs_simulated"] = comparison(goodput, own, simulate(own))
+    return comparison_table(measured["vs_simulated"])
 
 
 if __name__ == "__main__":

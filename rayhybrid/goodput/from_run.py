@@ -167,6 +167,7 @@ def apply_run(cfg: GoodputConfig, given: set[str]) -> tuple[GoodputConfig, dict]
         "run_dir": str(run_dir),
         "records": {"restart": len(restarts), "healed": len(healed), "checkpoint": len(saves), "step": len(steps)},
         "ranks": ranks,
+        "replica_ranks": int(last.get("pp", 1)) * int(last.get("tp", 1)),
         "medians": {k: round(v, 3) for k, v in m.items()},
         **({"heal_medians": {k: round(v, 3) for k, v in h.items()}} if healed else {}),
         "checkpoint": {"path": found[0] if found else None, "bytes": run_bytes, "simulated_bytes": sim_bytes},
@@ -175,3 +176,41 @@ def apply_run(cfg: GoodputConfig, given: set[str]) -> tuple[GoodputConfig, dict]
         "given": sorted(f"costs.{k}" for k in costs if f"costs.{k}" in given),
     }
     return dataclasses.replace(cfg, costs=dataclasses.replace(cfg.costs, **kept)), measured
+
+
+GOODPUT_FIX = "give the directory of a run that ended and recorded its goodput (summary.json's goodput)"
+
+
+def run_goodput(run_dir: Path) -> dict:
+    """The run's measured goodput, summary.json's `goodput` ({"seconds": {cause: s}, "wall_s",
+    "effective_time", "processes"}, the driver's wall-clock record); a ConfigError naming
+    from_run when it is not there."""
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError("from_run", f"cannot read {path} ({type(err).__name__}); {GOODPUT_FIX}") from None
+    goodput = summary.get("goodput") if isinstance(summary, dict) else None
+    complete = isinstance(goodput, dict) and isinstance(goodput.get("seconds"), dict)
+    if not complete or not all(holds(k, goodput.get(k)) for k in ("wall_s", "effective_time")):
+        raise ConfigError(
+            "from_run", f"{path} has no goodput (seconds by cause, wall_s, effective_time); {GOODPUT_FIX}"
+        )
+    return goodput
+
+
+def own_size(cfg: GoodputConfig, measured: dict, wall_s: float) -> GoodputConfig:
+    """The simulator's settings for the run itself: its ranks, in replicas of its pp x tp ranks,
+    over its wall time, with its own costs unscaled (the run's checkpoint, no storage floor, no
+    cost from the command line); the failure setting is the command line's."""
+    ranks, replica = measured["ranks"], measured["replica_ranks"]
+    own = dataclasses.replace(
+        cfg,
+        gpus=ranks,
+        replica_gpus=replica,
+        gpus_per_node=math.gcd(cfg.gpus_per_node, replica),
+        days=wall_s / 86400.0,
+        costs=dataclasses.replace(cfg.costs, checkpoint_gb=0.0, storage_gbps=0.0),
+        elastic=dataclasses.replace(cfg.elastic, min_dp=min(cfg.elastic.min_dp, ranks // replica)),
+    )
+    return apply_run(own, set())[0]

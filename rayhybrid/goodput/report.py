@@ -13,6 +13,19 @@ from rayhybrid.goodput.engine import CAUSES
 from rayhybrid.goodput.plot import plot
 from rayhybrid.goodput.simulate import Result
 
+SIMULATED_AS = {
+    "detection": "detection",
+    "teardown": "restart",
+    "worker_init": "restart",
+    "restore": "restart",
+    "redone": "redone_work",
+    "checkpoint": "checkpoint",
+    "waiting_for_nodes": "waiting_for_nodes",
+}
+"""A run's measured causes of lost time (summary.json's goodput) -> the simulator's cause they
+are part of. `productive` is the kept work; the others (start-up, data wait, bubble, exposed
+communication, host overhead, evaluation, preemption drain) the simulator does not model."""
+
 SHORT = {
     "detection": "detect",
     "restart": "restart",
@@ -74,4 +87,56 @@ def table(cfg: GoodputConfig, result: Result) -> str:
     lines += [f"{name} gave up: {why}" for name, why in stopped.items()]
     chosen = "restart_all" if result.strategy == "all" else result.strategy
     lines.append(f"recommended checkpoint.interval_s for {chosen}: {result.recommended_checkpoint_interval_s:.0f}")
+    return "\n".join(lines)
+
+
+def comparison(goodput: dict, cfg: GoodputConfig, result: Result) -> dict:
+    """The run's measured goodput beside the simulator's at the run's own size and wall time
+    (`cfg`, `result`): effective time, and the lost seconds by the simulator's causes."""
+    seconds = goodput["seconds"]
+    measured = dict.fromkeys(CAUSES, 0.0)
+    for cause, s in seconds.items():
+        if cause in SIMULATED_AS:
+            measured[SIMULATED_AS[cause]] += s
+    not_simulated = {c: s for c, s in seconds.items() if c not in SIMULATED_AS and c != "productive"}
+    simulated = {
+        name: {
+            "effective_time": round(r.effective_time, 6),
+            "lost_s": {c: round(h * 3600.0 / result.gpus_used, 3) for c, h in r.gpu_hours_lost.items()},
+        }
+        for name, r in result.strategies.items()
+    }
+    return {
+        "ranks": result.gpus_used,
+        "replica_ranks": cfg.replica_gpus,
+        "wall_s": goodput["wall_s"],
+        "processes": goodput.get("processes"),
+        "measured": {
+            "effective_time": goodput["effective_time"],
+            "lost_s": {c: round(s, 3) for c, s in measured.items()},
+        },
+        "not_simulated_s": {c: round(s, 3) for c, s in not_simulated.items()},
+        "simulated": simulated,
+    }
+
+
+def comparison_table(c: dict) -> str:
+    """`comparison` as the terminal shows it: measured beside each simulated strategy."""
+    names = list(c["simulated"])
+    lines = [
+        (
+            f"the run beside the simulator at its own size: {c['ranks']} ranks (replicas of {c['replica_ranks']}), "
+            f"{c['wall_s']:.0f} s of wall time, {c['processes']} process(es)"
+        ),
+        f"{'':<20}{'measured':>12}" + "".join(f"{n:>18}" for n in names),
+        f"{'effective time':<20}{c['measured']['effective_time']:>12.4f}"
+        + "".join(f"{c['simulated'][n]['effective_time']:>18.4f}" for n in names),
+        "seconds lost:",
+    ]
+    for cause in CAUSES:
+        row = "".join(f"{c['simulated'][n]['lost_s'][cause]:>18.1f}" for n in names)
+        lines.append(f"  {cause:<18}{c['measured']['lost_s'][cause]:>12.1f}{row}")
+    lines.append(
+        "  not simulated: " + (", ".join(f"{k} {v:.1f}" for k, v in c["not_simulated_s"].items() if v) or "none")
+    )
     return "\n".join(lines)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -13,13 +16,15 @@ def clip_grad_norm_(
     max_norm: float,
     pp_group: dist.ProcessGroup | None,
     uncounted: list[torch.nn.Parameter] = (),
+    waiting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> torch.Tensor:
     """Clip to `max_norm` (0 = only measure) and return the global L2 norm of all gradients.
 
     DTensor gradients (TP- or FSDP-sharded) reduce over their own mesh via `full_tensor()`;
     plain gradients are identical on every tp rank and count once. Stages hold disjoint
     parameters, so squared norms add over the pp group; `uncounted` (copies of a parameter
-    another stage holds: rayhybrid/parallel/tied.py) are clipped but not counted.
+    another stage holds: rayhybrid/parallel/tied.py) are clipped but not counted. `waiting()`
+    is entered around the pp all-reduce (the trainer times it: its MFU split).
     """
     grads = [p.grad for p in params if p.grad is not None]
     skip = {id(p.grad) for p in uncounted}
@@ -36,7 +41,8 @@ def clip_grad_norm_(
     if plain:
         total_sq += torch.nn.utils.get_total_norm(plain).float() ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total_sq, group=pp_group)
+        with waiting():
+            dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     if max_norm > 0:
         # torch's clip_grads_with_norm_ cannot mix plain tensors and DTensors on different

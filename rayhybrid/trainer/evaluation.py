@@ -33,7 +33,7 @@ class Evaluation:
         if self.held_out is None:
             self.held_out = build_held_out(cfg.data, cfg.model.vocab_size, cfg.seed, trainer.stream)
         meter, trainer.memory = trainer.memory, None  # what evaluation holds is not a training step's
-        trainer.timeline.begin_step(record=False)  # nor its spans (a traced step's are handed out)
+        trainer.timeline.begin_step(record=False, measure=False)  # nor its spans (a traced step's are handed out)
         global_batch = cfg.train.global_batch_size
         shards = [
             replica_shard(b * global_batch, global_batch, t.dp, trainer.coord.dp) for b in range(cfg.eval.batches)

@@ -34,10 +34,26 @@ from rayhybrid.trainer.instrument import instrument_stage
 from rayhybrid.trainer.optim import lr_at, set_lr
 from rayhybrid.trainer.passes import Accumulate, Pipelined
 from rayhybrid.trainer.results import RestoreResult, SaveResult, StepMetrics, StepResult
+from rayhybrid.trainer.split import ideal_bubble, install
 from rayhybrid.trainer.startup import mark
 from rayhybrid.trainer.timeline import Timeline
 
 log = logging.getLogger(__name__)
+
+
+def describe(trainer) -> dict:
+    """What a `Trainer` holds (its method `describe`), for the driver's start-up table and summary."""
+    return {
+        "coord": [trainer.coord.dp, trainer.coord.pp, trainer.coord.tp],
+        "device": str(trainer.device),
+        "device_name": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "stages": {str(i): layers for i, layers in trainer.stage_layers.items()},
+        "local_params": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in trainer.params),
+        "model_params": trainer.spec.num_params(trainer.cfg.model, trainer.cfg.data.seq_len),
+        "num_microbatches": trainer.n_microbatches,
+        "loss_floor": trainer.stream.loss_floor,
+    }
 
 
 class Trainer:
@@ -83,7 +99,9 @@ class Trainer:
         self.params = [p for _, m in self.stages for p in m.parameters()]
         self.tied = TiedCopies(self.stages, self.layout)  # an output tied to the embedding at pp>1
         self.optimizers = build_optimizers(self.stages, cfg.train)
-        self.timeline = Timeline(rank)
+        self.timeline = Timeline(rank, device)  # its clock: the step's MFU split (trainer/split.py)
+        self.timeline.ideal_bubble = ideal_bubble(t.pp, len(self.stages), self.n_microbatches)
+        install()  # the waits torch blocks in, charged to the running step's clock
         self.trace_steps = set(cfg.metrics.trace_steps)
         instrument = functools.partial(instrument_stage, timeline=self.timeline, phase=self._phase)
         schedule = build_pipeline(cfg, self.layout, self.stages, self.mesh, device, self.loss_fn, instrument)
@@ -120,23 +138,12 @@ class Trainer:
         """Restore a checkpoint written under any topology: `Checkpoints.load`."""
         return self.checkpoints.load(path, meta)
 
-    def describe(self) -> dict:
-        """What this rank holds, for the driver's start-up table and summary."""
-        return {
-            "coord": [self.coord.dp, self.coord.pp, self.coord.tp],
-            "device": str(self.device),
-            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "backend": dist.get_backend() if dist.is_initialized() else None,
-            "stages": {str(i): layers for i, layers in self.stage_layers.items()},
-            "local_params": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.params),
-            "model_params": self.spec.num_params(self.cfg.model, self.cfg.data.seq_len),
-            "num_microbatches": self.n_microbatches,
-            "loss_floor": self.stream.loss_floor,
-        }
+    describe = describe  # what this rank holds (module-level, below the imports)
 
     def loss_fn(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed loss over the replica's token count (`TokenLoss`, trainer/loss.py)."""
-        return self.loss(output, targets)
+        with self.timeline.clock.part("compute"):  # a schedule computes it outside the stage's chunk
+            return self.loss(output, targets)
 
     def step_context(self) -> contextlib.ExitStack:
         """What a pass of the model runs under: loss parallel (a vocab-parallel output) and
@@ -157,24 +164,23 @@ class Trainer:
         `samples_read` and `peak_mb`, this rank's) and the asynchronous saves that ended meanwhile."""
         cfg, t = self.cfg, self.cfg.topology
         start, cpu_start = time.perf_counter(), time.process_time()
+        self.timeline.begin_step(record=self.step + 1 in self.trace_steps)  # and the step's clock
         lr = lr_at(self.step, cfg.train)
         for opt in self.optimizers:
             set_lr(opt, lr)
 
         self.settled = True  # the state is the run's at step `self.step` (docs/recovery-and-elasticity.md)
         async_collectives.host_sync()  # fault.nccl_like: a failure of the last step's collectives raises here
-        self.timeline.begin_step(record=self.step + 1 in self.trace_steps)
         with self.memory.step() if self.memory is not None else contextlib.nullcontext():
             loss = self.forward_backward()
             self._phase(self.stages[0][0], "optimizer")
-            with self.timeline.span("clip grad norm", "comm", stage=self.stages[0][0]):
-                self.tied.sum_grads()
-                grad_norm = clip_grad_norm_(self.params, cfg.train.grad_clip, self._group("pp"), self.tied.uncounted)
+            grad_norm = self.clip_gradients()
             # Every collective of the step comes before the optimizer step, which is local.
             with self.timeline.span("all_reduce loss", "comm"):
                 loss = self.global_loss(loss)
             vote_s = self.commit_vote()
-            with self.timeline.span("optimizer", "optimizer", stage=self.stages[0][0]):
+            optimizer_span = self.timeline.span("optimizer", "optimizer", stage=self.stages[0][0])
+            with optimizer_span, self.timeline.clock.part("compute"):
                 if pause.ARMED:
                     pause.at("optimizer")
                 self.settled = False  # between the first optimizer's step and the step count
@@ -205,12 +211,21 @@ class Trainer:
             **({"data_read": self.data_read} if self.data_read is not None else {}),  # data.trace
             **(self.memory.step_metrics() if self.memory is not None else {}),
             "bubble": self.timeline.bubble(),  # this rank's idle share of the pipeline's time
+            **self.timeline.split(elapsed),  # the step's time by part, and this rank's own compute_s
             **({"trace": self.timeline.events} if self.timeline.record else {}),
         }
         self.last_result = StepResult(metrics)  # kept before anything can fail: a peer heal records it
         if finished := self.finished_checkpoints():  # uploads done since the last step
             self.last_result = StepResult(metrics, tuple(finished))
         return self.last_result
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Sum the tied copies' gradients, clip all to train.grad_clip; the global norm. Its
+        collectives, as all the step's own, wait as dp's (the MFU split, trainer/split.py)."""
+        clock, pp = self.timeline.clock, self._group("pp")
+        with self.timeline.span("clip grad norm", "comm", stage=self.stages[0][0]), clock.part("compute", "dp"):
+            self.tied.sum_grads()
+            return clip_grad_norm_(self.params, self.cfg.train.grad_clip, pp, self.tied.uncounted, waiting=clock.wait)
 
     def forward_backward(self) -> torch.Tensor:
         """Gradients of the global batch's mean loss (no optimizer step); returns this rank's
@@ -241,7 +256,8 @@ class Trainer:
             for ahead in range(1, d.read_ahead + 1)
         ]
         waited = time.perf_counter()
-        inputs, targets = self.feed.take((shard.start, shard.count))
+        with self.timeline.clock.part("data"):
+            inputs, targets = self.feed.take((shard.start, shard.count))
         self.data_wait_s = time.perf_counter() - waited
         self.feed.ahead([(s.start, s.count) for s in following])
         self.samples_read = [shard.start, shard.count]
@@ -273,16 +289,18 @@ class Trainer:
         if not self.heal:
             return None
         start = time.perf_counter()
-        with self.timeline.span("commit vote", "comm"):
+        with self.timeline.span("commit vote", "comm"), self.timeline.clock.wait("dp"):
             commit_vote(self.world_group, self.device, self.step + 1)
         return time.perf_counter() - start
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The replica's loss lives on its last stage: sum over pp, average over dp."""
         loss = loss.detach().float().reshape(())
-        if (pp := self._group("pp")) is not None:
-            dist.all_reduce(loss, group=pp)
-        if (dp := self._group("dp")) is not None:
-            dist.all_reduce(loss, group=dp)
+        with self.timeline.clock.wait("dp"):  # the step's own collective (a wait, in the MFU split)
+            if (pp := self._group("pp")) is not None:
+                dist.all_reduce(loss, group=pp)
+            if (dp := self._group("dp")) is not None:
+                dist.all_reduce(loss, group=dp)
+        if dp is not None:
             loss = loss / self.topo.dp
         return float(loss)

@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
+SPLIT_PARTS = ("compute_s", "data_wait_s", "bubble_s", "comm_dp_s", "comm_tp_s", "comm_pp_s", "host_s")
+"""The MFU split's parts (`StepMetrics.split`), in the order its table shows them
+(trainer/split.py measures them; docs/observability.md, "The MFU split")."""
+
 
 class StepMetrics(TypedDict, total=False):
     """One optimizer step, as `metrics.jsonl` stores it: rank 0's figures from the trainer,
@@ -39,6 +43,14 @@ class StepMetrics(TypedDict, total=False):
     """data.trace: rank -> what it read (written to data_trace/, not to metrics.jsonl)."""
     bubble: float | None
     """The pipeline's idle share of the step, over ranks."""
+    split: dict[str, float]
+    """The step's time by part (`SPLIT_PARTS`), adding up to step_time_s: a rank's own, and in
+    the record the ranks' mean, scaled to the record's step_time_s."""
+    compute_s: float
+    """A rank's own compute in the step (its split's compute_s): time blocked on collectives,
+    receives, data or the host left out. In the record: the merged split's."""
+    compute_s_by_rank: list[float | None]
+    """Every rank's compute_s, in rank order (None: a rank with no figures of this step)."""
     peak_mb: dict[str, float]
     """metrics.memory: "rank<r>/stage<s>/<phase>" -> MB."""
     activation_mb: dict[str, float]

@@ -17,12 +17,18 @@ from __future__ import annotations
 import contextlib
 import time
 
+import torch
+
+from rayhybrid.trainer.split import StepClock, split_step
+
 COMM = {"comm"}  # categories drawn on the communication thread
 
 
 class Timeline:
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, device: torch.device | None = None) -> None:
         self.rank = rank
+        self.clock = StepClock(device)  # the step's time by part (trainer/split.py): busy spans are compute
+        self.ideal_bubble = 0.0  # the schedule's idle share without communication (`split.ideal_bubble`)
         self.record = False
         self.events: list[dict] = []
         self.busy_s = 0.0  # forward/backward chunk time inside the pipeline schedule, this step
@@ -30,16 +36,26 @@ class Timeline:
         # perf_counter -> wall clock in microseconds, so ranks in different processes line up.
         self._offset_us = time.time() * 1e6 - time.perf_counter() * 1e6
 
-    def begin_step(self, record: bool) -> None:
+    def begin_step(self, record: bool, measure: bool = True) -> None:
+        """A step begins (`measure`: a training step, its time split by the clock; else an
+        evaluation, whose time the clock leaves out)."""
         self.record = record
         self.events = []
         self.busy_s = self.window_s = 0.0
+        if measure:
+            self.clock.begin()
+        else:
+            self.clock.end()
 
     @contextlib.contextmanager
     def span(self, name: str, category: str, busy: bool = False, **args):
         start = time.perf_counter()
         try:
-            yield
+            if busy:
+                with self.clock.part("compute"):
+                    yield
+            else:
+                yield
         finally:
             end = time.perf_counter()
             if busy:
@@ -66,6 +82,12 @@ class Timeline:
             yield
         finally:
             self.window_s += time.perf_counter() - start
+
+    def split(self, step_time_s: float) -> dict:
+        """The step ends: {"split": its seven parts adding up to `step_time_s`, "compute_s": this
+        rank's own compute} (trainer/split.py; the bubble's rule there, `split_step`)."""
+        split = split_step(self.clock.end(), step_time_s, window_s=self.window_s, ideal=self.ideal_bubble)
+        return {"split": split, "compute_s": split["compute_s"]}
 
     def bubble(self) -> float | None:
         """Idle share of this step's pipeline time on this rank (None without a pipeline)."""
