@@ -46,7 +46,7 @@ class Private(NamedTuple):
 RAY_TEXT = "driver/raytext.py: Ray's own text into the run's log (without: on the terminal, one warning)"
 CODE = "cluster/code.py: shipping the model's code (without: shipping off, one warning naming the fix)"
 AUTH = "cluster/connect.py: token authentication when joining a cluster"
-DRAIN = "cluster/spot_watch.py: a spot notice drains its node in Ray"
+DRAIN = "cluster/spot_watch.py: a spot notice (or fault.straggler=evacuate) drains its node in Ray"
 PLACE = "cluster/placement.py: whether the cluster can add nodes; Ray's drain state"
 JOIN = "parallel/mesh.py joining: the short join timeout (without: torch's, one warning)"
 FORGET = "parallel/mesh.py forget_*: a rank rejoining after a failure (without: one warning)"

@@ -47,15 +47,21 @@ class NodeSpotWatch:
         return None
 
     def _drain(self, notice: Notice) -> None:
-        from ray._raylet import GcsClient
-
         message = f"{notice.cloud} spot notice: {notice.detail}"
-        deadline_ms = int(notice.deadline_s * 1000)
-        accepted, why = GcsClient(address=self.gcs_address).drain_node(
-            self.node_id, preemption_reason(), message, deadline_ms
-        )
-        if not accepted:
-            log.warning("node %s: Ray refused to drain it after a spot notice: %s", self.node_id[:8], why)
+        drain_node(self.node_id, message, int(notice.deadline_s * 1000), self.gcs_address)
+
+
+def drain_node(node_id: str, message: str, deadline_ms: int = 0, gcs_address: str | None = None) -> bool:
+    """Ask Ray to drain `node_id` (hex) as for a preemption: Ray places nothing new there, and
+    the run's drain watch moves off it. `deadline_ms`: when the node goes (ms since the epoch;
+    0: no deadline). Whether Ray accepted; a refusal is logged."""
+    from ray._raylet import GcsClient
+
+    address = gcs_address or ray.get_runtime_context().gcs_address
+    accepted, why = GcsClient(address=address).drain_node(node_id, preemption_reason(), message, deadline_ms)
+    if not accepted:
+        log.warning("node %s: Ray refused to drain it (%s): %s", node_id[:8], message, why)
+    return accepted
 
 
 def start_watchers(nodes, interval_s: float = 5.0) -> dict[str, object]:
@@ -70,3 +76,17 @@ def start_watchers(nodes, interval_s: float = 5.0) -> dict[str, object]:
         watchers[node] = actor_cls.options(scheduling_strategy=strategy).remote(gcs, node, interval_s)
         watchers[node].start.remote()
     return watchers
+
+
+def drain_straggler_node(node_id: str, message: str) -> bool:
+    """`drain_node` for a straggler's node (fault.straggler=evacuate), never the driver's own:
+    Ray shuts a drained node down once nothing runs on it, and the driver runs there (on a
+    single-node run, the only node). Whether Ray accepted."""
+    if node_id == ray.get_runtime_context().get_node_id():
+        log.warning(
+            "fault.straggler=evacuate: node %s is the driver's own node, which is not drained (Ray would shut it "
+            "down once idle); the run stays on it",
+            node_id[:8],
+        )
+        return False
+    return drain_node(node_id, message)

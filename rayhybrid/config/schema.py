@@ -317,6 +317,18 @@ class FaultConfig:
     """A test mode for gloo (CPU): collectives fail as they do on NCCL when a peer dies. A failed
     collective is recorded instead of raised, its tensor left partly reduced, and the host goes
     on; the failure is raised as the next step begins (rayhybrid/faults/async_collectives.py)."""
+    straggler: str = "warn"
+    """What a straggler makes the run do: `warn` (name it: a warning, a `straggler` event,
+    summary.json's `stragglers`), `evacuate` (name it, then move off its node as off a drained
+    one: the step checkpointed, Ray asked to drain the node) or `off`. A straggler: a rank
+    whose own compute time is at least fault.straggler_slowdown times the median of its peers'
+    (the other ranks of its pipeline stage) for fault.straggler_steps steps in a row
+    (rayhybrid/driver/stragglers.py)."""
+    straggler_slowdown: float = 1.2
+    """How much slower than its peers' median a rank's compute must be to count (> 1)."""
+    straggler_steps: int = 5
+    """Steps in a row a rank must be that slow to be named (>= 1); as many steps below it end
+    its episode (it may then be named again)."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from rayhybrid.errors import ConfigError
 
 DECAYS = ("cosine", "linear", "constant")
 NUMBERS = {2: "two", 3: "three", 4: "four"}
+STRAGGLER_ACTIONS = ("warn", "evacuate", "off")
 
 
 def _positive(cfg: Config) -> None:
@@ -84,6 +85,7 @@ def check(cfg: Config) -> None:
         )
     _choice("cluster.use_gpu", str(cfg.cluster.use_gpu).lower(), ("auto", "true", "false"))
     _choice("cluster.check", str(cfg.cluster.check).lower(), ("brief", "off"))
+    _straggler(cfg.fault)
 
     virtual = Layout.of(cfg).virtual_stages
     fixed = SCHEDULE_TABLE[t.schedule].stages_per_rank
@@ -109,6 +111,19 @@ def check(cfg: Config) -> None:
     else:
         _batch_split(cfg, t.dp)
     _held_out(cfg)
+
+
+def _straggler(fault) -> None:
+    _choice("fault.straggler", fault.straggler, STRAGGLER_ACTIONS)
+    slowdown = fault.straggler_slowdown
+    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not slowdown > 1:
+        raise ConfigError(
+            "fault.straggler_slowdown",
+            f"must be a ratio above 1, got {slowdown!r}; set e.g. fault.straggler_slowdown=1.2 (20% slower)",
+        )
+    steps = fault.straggler_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError("fault.straggler_steps", f"must be a whole number of steps >= 1, got {steps!r}; set e.g. 5")
 
 
 def _dp_shard(cfg: Config) -> None:

@@ -1,6 +1,11 @@
 """Preemption notices: nodes of the run that Ray is draining (a spot node's notice, an
-autoscaler scaling in), polled at most once every `DRAIN_POLL_S`, and moving the replicas off
-them once the step the run is at is checkpointed (the controller saves it first)."""
+autoscaler scaling in, a straggler's node with `fault.straggler=evacuate`), polled at most once
+every `DRAIN_POLL_S`, and moving the replicas off them once the step the run is at is
+checkpointed (the controller saves it first).
+
+The drain watch also attaches the run's straggler watch (rayhybrid/driver/stragglers.py) to the
+run log, unless `fault.straggler=off`: with `evacuate` it asks Ray to drain a straggler's node,
+which this watch then sees as any drained node."""
 
 from __future__ import annotations
 
@@ -12,9 +17,10 @@ import time
 from rayhybrid.cluster.group import not_placed_again
 from rayhybrid.cluster.placement import draining_nodes
 from rayhybrid.cluster.spot import detect_cloud
-from rayhybrid.cluster.spot_watch import start_watchers
+from rayhybrid.cluster.spot_watch import drain_straggler_node, start_watchers
 from rayhybrid.driver.records import Interruption
 from rayhybrid.driver.state import Failed, Resizing, RunState
+from rayhybrid.driver.stragglers import StragglerWatch
 from rayhybrid.errors import RunFailed
 
 log = logging.getLogger("rayhybrid")
@@ -31,6 +37,9 @@ class DrainWatch:
         # (probed in the background: a run without one never waits for the probe).
         self.cloud = _in_background(detect_cloud) if cfg.cluster.spot_notices else None
         self.watched: dict[str, object] = {}  # node id -> its watcher actor
+        self.stragglers = StragglerWatch(cfg.fault, ledger.log, drain=drain_straggler_node)
+        if cfg.fault.straggler != "off":
+            ledger.log.attach(self.stragglers)
 
     def notice(self, group, evacuated: frozenset[str]) -> dict[str, float]:
         """Nodes of the replicas `group` trains on being drained and not moved off yet: node id
@@ -57,12 +66,12 @@ class DrainWatch:
         """Every node Ray is draining now."""
         return set(draining_nodes())
 
-    @staticmethod
-    def announce(notice: dict[str, float], step: int) -> None:
+    def announce(self, notice: dict[str, float], step: int) -> None:
         node, left = min(notice.items(), key=lambda kv: kv[1])
         log.warning(
-            "node %s is being drained (preemption; %s): checkpointing step %d and moving off it",
+            "node %s is being drained (%s; %s): checkpointing step %d and moving off it",
             node[:8],
+            self.stragglers.drained.get(node, "preemption"),
             f"{left:.0f}s to its deadline" if math.isfinite(left) else "no deadline",
             step,
         )
@@ -76,6 +85,7 @@ class DrainWatch:
         run, saved = run.but(evacuated=run.evacuated | set(notice)), run.committed or 0
         self.ledger.log.event(
             {"event": "preemption", "node": node, "deadline_s": round(left, 3) if math.isfinite(left) else None}
+            | {"reason": "straggler" if node in self.stragglers.drained else "preemption"}
             | {"saved_step": saved, "lost_steps": run.step - saved}
         )
         bad = slots_on(group, group.slots, notice)
@@ -89,7 +99,8 @@ class DrainWatch:
                 why = why_not_placed(self.scaling, group.dp, lost, wait_s)
                 return Failed(run, RunFailed(f"{why}; {self.ledger.last_good()}"))
             slots = list(group.slots)
-        place_s, cause = time.perf_counter() - mark, f"node {node[:8]} preempted"
+        why = f"a straggler's ({self.stragglers.drained[node]})" if node in self.stragglers.drained else "preempted"
+        place_s, cause = time.perf_counter() - mark, f"node {node[:8]} {why}"
         intr = Interruption("preempt", cause, run.step, group.dp, save_s=mark - since, since=since, place_s=place_s)
         return Resizing(run, tuple(slots), intr)
 
