@@ -18,6 +18,7 @@ import pytest
 
 from rayhybrid.config.goodput import STRATEGIES, compose_goodput, given
 from rayhybrid.driver.policies import Decision, FailurePolicy, HealPolicy, ScalingPolicy
+from rayhybrid.driver.wallclock import CAUSES as WALL_CAUSES
 from rayhybrid.errors import ConfigError
 from rayhybrid.goodput.__main__ import main
 from rayhybrid.goodput.engine import CAUSES
@@ -264,23 +265,8 @@ RESTARTS = [
 ]
 
 
-GOODPUT_CAUSES = (
-    "startup",
-    "data_wait",
-    "bubble",
-    "exposed_comm",
-    "host_overhead",
-    "checkpoint",
-    "evaluation",
-    "detection",
-    "teardown",
-    "worker_init",
-    "restore",
-    "redone",
-    "waiting_for_nodes",
-    "preemption_drain",
-)
-"""summary.json's goodput causes besides productive (the driver's, docs/goodput.md)."""
+GOODPUT_CAUSES = tuple(c for c in WALL_CAUSES if c != "productive")
+"""summary.json's goodput causes besides productive (the driver's, rayhybrid/driver/wallclock.py)."""
 
 
 def fake_run(root: Path, restarts=RESTARTS) -> Path:
