@@ -11,11 +11,13 @@ import json
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from rayhybrid.driver import wallclock
 from rayhybrid.driver.records import Interruption
-from rayhybrid.driver.wallclock import CAUSES, KEPT, WallLedger, effective_time, settled, step_pieces
+from rayhybrid.driver.wallclock import CAUSES, KEPT, Wallclock, WallLedger, effective_time, settled, step_pieces
 
 T0 = 1_000.0
 
@@ -172,6 +174,69 @@ def test_an_earlier_process_steps_beyond_the_resumed_checkpoint_are_redone():
     out = settled(entry, resumed=5)
     assert out["seconds"]["productive"] == 5.0 and out["seconds"]["redone"] == 1.0 and out["tail"] == []
     assert sum(out["seconds"].values()) == pytest.approx(10.0)
+
+
+class MemoryStore:
+    """A checkpoint store in memory: what the wall clock reads and writes of one."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    def join(self, *parts: str) -> str:
+        return "/".join(parts)
+
+    def read_bytes(self, path: str) -> bytes:
+        if path not in self.files:
+            raise FileNotFoundError(path)
+        return self.files[path]
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.files[path] = data
+
+
+def process(store: MemoryStore, since: float) -> Wallclock:
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(enabled=True))
+    clock, summary = SimpleNamespace(since=since), SimpleNamespace(startup={})
+    wall = Wallclock(cfg, clock, summary, Path("unused"))
+    wall.on_store(store)
+    return wall
+
+
+def test_a_process_whose_workers_never_started_leaves_the_earlier_tails_to_the_next(monkeypatch):
+    """A fails at step 37 (checkpoint at 30); B dies before its workers start; C resumes from
+    30: A's steps 31-37 are redone once, not kept as well as trained again."""
+    now = [T0]
+    monkeypatch.setattr(wallclock, "time", SimpleNamespace(time=lambda: now[0]))
+    store = MemoryStore()
+    a = process(store, T0)
+    for n in range(1, 38):
+        now[0] = T0 + n
+        a.before_step(step(n, 1.0))  # 1 s of compute in each 1 s interval
+        if n == 30:
+            a.on_event({"event": "checkpoint", "step": 30, "blocked_s": 0.0})
+    a.before_close({"wall_s": 40.0, "status": "failed"}, [])
+    b = process(store, T0 + 50.0)  # its placement timed out: no after_workers_start
+    b.before_close({"wall_s": 5.0, "status": "failed"}, [])
+    c = process(store, T0 + 60.0)
+    c.on_event({"event": "resume", "step": 30})
+    c.after_workers_start([], {})
+    for n in range(31, 64):
+        now[0] = T0 + 30.0 + n
+        c.before_step(step(n, 1.0))
+    seconds, _ = c.seconds()
+    assert seconds["productive"] == pytest.approx(63.0) and seconds["redone"] == pytest.approx(7.0)
+    assert len(c.earlier) == 2
+
+
+def test_a_failed_run_end_is_detection_even_after_an_asynchronous_save_was_reported():
+    ledger = WallLedger(T0)
+    ledger.step(step(10, 1.0), T0 + 10.0)
+    ledger.save_blocked(10, 0.0)
+    ledger.step(step(11, 1.0), T0 + 11.0)
+    ledger.event({"event": "checkpoint", "step": 10, "blocked_s": 0.0})  # committed: reported with step 11's results
+    ledger.close(T0 + 311.0, "failed")  # step 12 hung 300 s
+    assert ledger.totals["detection"] == pytest.approx(300.0) and ledger.totals["checkpoint"] == 0.0
+    assert_adds_up(ledger, T0 + 311.0)
 
 
 def test_the_trackers_get_each_cause_as_a_scalar():

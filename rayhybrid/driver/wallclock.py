@@ -196,10 +196,10 @@ class WallLedger:
         committed in it (the final save and its upload), detection when the run failed."""
         if not self.stepped:
             rest = "startup"
-        elif self.saved:
-            rest = "checkpoint"
+        elif status == "failed":  # a failed run's save reported late is not its end's cause
+            rest = "detection"
         else:
-            rest = "detection" if status == "failed" else "host_overhead"
+            rest = "checkpoint" if self.saved else "host_overhead"
         self._settle(now, [*self.debt, *self.pending], Piece(rest, 0.0))
         self.debt = []
 
@@ -346,8 +346,6 @@ class Wallclock(Reporter):
 
     def before_close(self, summary: dict, history: list[StepMetrics]) -> None:
         self.ledger.close(self.ledger.since + summary["wall_s"], summary.get("status", "completed"))
-        if self.earlier is None:
-            self.earlier = [settled(p, self.resumed if self.resumed is not None else 1 << 62) for p in self.found]
         seconds, wall = self.seconds()
         self._point(wall, seconds)
         share = effective_time(seconds, wall)
@@ -356,7 +354,7 @@ class Wallclock(Reporter):
             "seconds": rounded,
             "wall_s": round(wall, 3),
             "effective_time": round(share, 4),
-            "processes": len(self.earlier) + 1,
+            "processes": len(self._earlier()) + 1,
         }
         if self.emit is not None:
             self.emit(
@@ -377,11 +375,16 @@ class Wallclock(Reporter):
     def seconds(self) -> tuple[dict[str, float], float]:
         """The run's seconds by cause and its wall time: this process's, and the earlier ones'."""
         out, wall = dict(self.ledger.totals), self.ledger.wall_s
-        for entry in self.earlier or []:
+        for entry in self._earlier():
             wall += float(entry.get("wall_s", 0.0))
             for cause in CAUSES:
-                out[cause] += entry["seconds"][cause]
+                out[cause] += float(entry["seconds"].get(cause, 0.0))
         return out, wall
+
+    def _earlier(self) -> list[dict]:
+        """The earlier processes: settled once this process's workers started, else as found
+        (their tails kept: the process that resumes settles them against its own step)."""
+        return self.earlier if self.earlier is not None else self.found
 
     def _point(self, wall: float, seconds: dict[str, float]) -> None:
         self.points.append((wall, tuple(seconds[c] for c in CAUSES)))
@@ -401,8 +404,7 @@ class Wallclock(Reporter):
             "seconds": {c: round(v, 6) for c, v in led.totals.items()},
             "tail": [[s, {c: round(v, 6) for c, v in kept.items()}] for s, kept in sorted(led.by_step.items())],
         }
-        earlier = self.earlier if self.earlier is not None else self.found
-        data = {"processes": [*earlier, mine]}
+        data = {"processes": [*self._earlier(), mine]}
         try:
             self.store.write_bytes(self.store.join(STORE_FILE), (json.dumps(data, indent=1) + "\n").encode())
         except Exception as err:  # noqa: BLE001 - the checkpoint store's trouble is for checkpoints to report
