@@ -94,6 +94,43 @@ def test_steps_rewound_are_redone():
     assert ledger.totals["redone"] == pytest.approx(3.0 + 2.0)
 
 
+def test_a_run_without_checkpoints_spends_constant_time_per_step_and_holds_a_bounded_ledger():
+    ledger = WallLedger(T0)
+    started = time.perf_counter()
+    for n in range(1, 100_001):
+        ledger.step(step(n, 0.5, data_wait_s=0.1), T0 + n)
+        if n % 1000 == 0:  # fail as soon as it is too slow (it was quadratic)
+            assert time.perf_counter() - started < 2.0, f"{n} steps took over 2 s"
+    assert len(ledger.by_step) <= 2 * wallclock.STEP_WINDOW
+    ledger.rewind(0)  # a failure with no checkpoint: every step is trained again
+    assert ledger.totals["redone"] == pytest.approx(100_000 - 0.5) and ledger.totals["productive"] == 0.0
+    assert sum(ledger.totals.values()) == pytest.approx(100_000)
+
+
+def test_steps_folded_together_count_as_they_did_one_by_one(monkeypatch):
+    def replay() -> dict[str, float]:
+        ledger = WallLedger(T0)
+        for n in range(1, 41):
+            ledger.step(step(n, 0.6, data_wait_s=0.1), T0 + n)
+            if n == 5:
+                ledger.event({"event": "checkpoint", "step": 5, "blocked_s": 0.2})
+                ledger.committed(5)
+            if n == 20:
+                ledger.rewind(5)  # restored from step 5 (the steps after it folded or not)
+            if n == 30:
+                ledger.event({"event": "checkpoint", "step": 30, "blocked_s": 2.5})  # a debt, for step 31
+                ledger.committed(30)
+        ledger.step(step(40, 0.6), T0 + 41.0)  # step 40 trained again (healed back)
+        ledger.rewind(30)
+        ledger.close(T0 + 42.0)
+        assert_adds_up(ledger, T0 + 42.0)
+        return ledger.totals
+
+    one_by_one = replay()
+    monkeypatch.setattr(wallclock, "STEP_WINDOW", 2)  # folds every few steps
+    assert replay() == pytest.approx(one_by_one) and one_by_one["redone"] > 15
+
+
 def test_a_restart_records_phases_and_a_resize_with_it_counts_once():
     ledger = WallLedger(T0)
     ledger.step(step(1, 1.0), T0 + 1.0)
