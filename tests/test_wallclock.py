@@ -146,6 +146,22 @@ def test_a_restart_records_phases_and_a_resize_with_it_counts_once():
     assert_adds_up(ledger, T0 + 10.0)
 
 
+def test_a_start_again_after_one_that_never_joined_counts_its_restore_once():
+    """The first start failed before its workers joined; the second one's restore is both the
+    start-up's restore phase and the restart's restore_s. A first start whose first step failed
+    restored twice: both count."""
+    intr = Interruption("restart", "rank 0: never joined", 1, 2, place_s=1.0, init_s=2.0, restore_s=1.5)
+    for starts, restores in ((1, 1.5), (2, 3.0)):
+        ledger = WallLedger(T0)
+        for _ in range(starts):
+            ledger.started()
+        ledger.event(intr.restart_record())
+        ledger.step(step(1, 1.0), T0 + 10.0, startup_restore=1.5)
+        assert ledger.totals["restore"] == restores
+        assert ledger.totals["startup"] == pytest.approx(10.0 - 1.0 - 1.0 - 2.0 - restores)
+        assert_adds_up(ledger, T0 + 10.0)
+
+
 def test_a_step_healed_forward_counts_with_its_recovery():
     """The survivors took step 2 before the failure; its record comes in the recovery, before the
     restart record, whose detection (from step 1's record) holds step 2's time."""

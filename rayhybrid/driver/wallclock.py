@@ -129,6 +129,11 @@ class WallLedger:
         self.blocked_steps: set[int] = set()
         """Asynchronous saves counted when they blocked, whose records have not come yet."""
         self.stepped = False
+        self.starts = 0
+        """The workers' starts before the first step (`started`)."""
+        self.restart_restored = False
+        """A restart record before the first step timed the first start's restore (that start
+        followed one that failed before its workers joined): the startup restore is in it."""
         self._new_interval()
 
     def _new_interval(self) -> None:
@@ -152,8 +157,14 @@ class WallLedger:
         elif kind == "restart":
             self._phases(record)
             self.after_restart = "interrupted" not in record
+            self.restart_restored |= self.after_restart and not self.stepped and self.starts <= 1
         elif kind == "resize" and not after_restart:  # a restart that changed dp: counted once
             self._phases(record)
+
+    def started(self) -> None:
+        """The workers started (a start's or a recovery's restore done)."""
+        if not self.stepped:
+            self.starts += 1
 
     def save_blocked(self, step: int, seconds: float) -> None:
         """An asynchronous save of `step` blocked training for `seconds` since the cursor."""
@@ -195,7 +206,7 @@ class WallLedger:
         pieces = [Piece(c, s, step) for c, s in step_pieces(record).items() if s > 0]
         if record.get("eval_s"):
             pieces.append(Piece("evaluation", record["eval_s"]))
-        if not self.stepped and startup_restore > 0:
+        if not self.stepped and startup_restore > 0 and not self.restart_restored:
             pieces.append(Piece("restore", startup_restore))
         rest = "startup" if not self.stepped else "preemption_drain" if self.preempted else "host_overhead"
         self._settle(
@@ -368,6 +379,7 @@ class Wallclock(Reporter):
             self._save()
 
     def after_workers_start(self, placement: list[dict], description: dict) -> None:
+        self.ledger.started()
         if self.earlier is None:  # the first start: it resumed from `resumed` (none: from the beginning)
             self.earlier = [settled(p, self.resumed or 0) for p in self.found]
 
