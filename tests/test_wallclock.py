@@ -11,11 +11,13 @@ import json
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from rayhybrid.driver import wallclock
 from rayhybrid.driver.records import Interruption
-from rayhybrid.driver.wallclock import CAUSES, KEPT, WallLedger, effective_time, settled, step_pieces
+from rayhybrid.driver.wallclock import CAUSES, KEPT, Wallclock, WallLedger, effective_time, settled, step_pieces
 
 T0 = 1_000.0
 
@@ -92,6 +94,43 @@ def test_steps_rewound_are_redone():
     assert ledger.totals["redone"] == pytest.approx(3.0 + 2.0)
 
 
+def test_a_run_without_checkpoints_spends_constant_time_per_step_and_holds_a_bounded_ledger():
+    ledger = WallLedger(T0)
+    started = time.perf_counter()
+    for n in range(1, 100_001):
+        ledger.step(step(n, 0.5, data_wait_s=0.1), T0 + n)
+        if n % 1000 == 0:  # fail as soon as it is too slow (it was quadratic)
+            assert time.perf_counter() - started < 2.0, f"{n} steps took over 2 s"
+    assert len(ledger.by_step) <= 2 * wallclock.STEP_WINDOW
+    ledger.rewind(0)  # a failure with no checkpoint: every step is trained again
+    assert ledger.totals["redone"] == pytest.approx(100_000 - 0.5) and ledger.totals["productive"] == 0.0
+    assert sum(ledger.totals.values()) == pytest.approx(100_000)
+
+
+def test_steps_folded_together_count_as_they_did_one_by_one(monkeypatch):
+    def replay() -> dict[str, float]:
+        ledger = WallLedger(T0)
+        for n in range(1, 41):
+            ledger.step(step(n, 0.6, data_wait_s=0.1), T0 + n)
+            if n == 5:
+                ledger.event({"event": "checkpoint", "step": 5, "blocked_s": 0.2})
+                ledger.committed(5)
+            if n == 20:
+                ledger.rewind(5)  # restored from step 5 (the steps after it folded or not)
+            if n == 30:
+                ledger.event({"event": "checkpoint", "step": 30, "blocked_s": 2.5})  # a debt, for step 31
+                ledger.committed(30)
+        ledger.step(step(40, 0.6), T0 + 41.0)  # step 40 trained again (healed back)
+        ledger.rewind(30)
+        ledger.close(T0 + 42.0)
+        assert_adds_up(ledger, T0 + 42.0)
+        return ledger.totals
+
+    one_by_one = replay()
+    monkeypatch.setattr(wallclock, "STEP_WINDOW", 2)  # folds every few steps
+    assert replay() == pytest.approx(one_by_one) and one_by_one["redone"] > 15
+
+
 def test_a_restart_records_phases_and_a_resize_with_it_counts_once():
     ledger = WallLedger(T0)
     ledger.step(step(1, 1.0), T0 + 1.0)
@@ -105,6 +144,22 @@ def test_a_restart_records_phases_and_a_resize_with_it_counts_once():
     assert (got["worker_init"], got["restore"]) == (3.0, 1.0)
     assert got["host_overhead"] == pytest.approx(0.0, abs=1e-9) and not ledger.debt
     assert_adds_up(ledger, T0 + 10.0)
+
+
+def test_a_start_again_after_one_that_never_joined_counts_its_restore_once():
+    """The first start failed before its workers joined; the second one's restore is both the
+    start-up's restore phase and the restart's restore_s. A first start whose first step failed
+    restored twice: both count."""
+    intr = Interruption("restart", "rank 0: never joined", 1, 2, place_s=1.0, init_s=2.0, restore_s=1.5)
+    for starts, restores in ((1, 1.5), (2, 3.0)):
+        ledger = WallLedger(T0)
+        for _ in range(starts):
+            ledger.started()
+        ledger.event(intr.restart_record())
+        ledger.step(step(1, 1.0), T0 + 10.0, startup_restore=1.5)
+        assert ledger.totals["restore"] == restores
+        assert ledger.totals["startup"] == pytest.approx(10.0 - 1.0 - 1.0 - 2.0 - restores)
+        assert_adds_up(ledger, T0 + 10.0)
 
 
 def test_a_step_healed_forward_counts_with_its_recovery():
@@ -172,6 +227,69 @@ def test_an_earlier_process_steps_beyond_the_resumed_checkpoint_are_redone():
     out = settled(entry, resumed=5)
     assert out["seconds"]["productive"] == 5.0 and out["seconds"]["redone"] == 1.0 and out["tail"] == []
     assert sum(out["seconds"].values()) == pytest.approx(10.0)
+
+
+class MemoryStore:
+    """A checkpoint store in memory: what the wall clock reads and writes of one."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    def join(self, *parts: str) -> str:
+        return "/".join(parts)
+
+    def read_bytes(self, path: str) -> bytes:
+        if path not in self.files:
+            raise FileNotFoundError(path)
+        return self.files[path]
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.files[path] = data
+
+
+def process(store: MemoryStore, since: float) -> Wallclock:
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(enabled=True))
+    clock, summary = SimpleNamespace(since=since), SimpleNamespace(startup={})
+    wall = Wallclock(cfg, clock, summary, Path("unused"))
+    wall.on_store(store)
+    return wall
+
+
+def test_a_process_whose_workers_never_started_leaves_the_earlier_tails_to_the_next(monkeypatch):
+    """A fails at step 37 (checkpoint at 30); B dies before its workers start; C resumes from
+    30: A's steps 31-37 are redone once, not kept as well as trained again."""
+    now = [T0]
+    monkeypatch.setattr(wallclock, "time", SimpleNamespace(time=lambda: now[0]))
+    store = MemoryStore()
+    a = process(store, T0)
+    for n in range(1, 38):
+        now[0] = T0 + n
+        a.before_step(step(n, 1.0))  # 1 s of compute in each 1 s interval
+        if n == 30:
+            a.on_event({"event": "checkpoint", "step": 30, "blocked_s": 0.0})
+    a.before_close({"wall_s": 40.0, "status": "failed"}, [])
+    b = process(store, T0 + 50.0)  # its placement timed out: no after_workers_start
+    b.before_close({"wall_s": 5.0, "status": "failed"}, [])
+    c = process(store, T0 + 60.0)
+    c.on_event({"event": "resume", "step": 30})
+    c.after_workers_start([], {})
+    for n in range(31, 64):
+        now[0] = T0 + 30.0 + n
+        c.before_step(step(n, 1.0))
+    seconds, _ = c.seconds()
+    assert seconds["productive"] == pytest.approx(63.0) and seconds["redone"] == pytest.approx(7.0)
+    assert len(c.earlier) == 2
+
+
+def test_a_failed_run_end_is_detection_even_after_an_asynchronous_save_was_reported():
+    ledger = WallLedger(T0)
+    ledger.step(step(10, 1.0), T0 + 10.0)
+    ledger.save_blocked(10, 0.0)
+    ledger.step(step(11, 1.0), T0 + 11.0)
+    ledger.event({"event": "checkpoint", "step": 10, "blocked_s": 0.0})  # committed: reported with step 11's results
+    ledger.close(T0 + 311.0, "failed")  # step 12 hung 300 s
+    assert ledger.totals["detection"] == pytest.approx(300.0) and ledger.totals["checkpoint"] == 0.0
+    assert_adds_up(ledger, T0 + 311.0)
 
 
 def test_the_trackers_get_each_cause_as_a_scalar():

@@ -92,6 +92,10 @@ STORE_FILE = "goodput.json"
 """At the root of the checkpoint store: each process's totals, for a resumed run."""
 PLOT_POINTS = 2000
 """At most about this many points of the running totals are kept for goodput.png."""
+STEP_WINDOW = 1000
+"""Kept seconds are held per step for at least this many of the latest steps not under a
+committed checkpoint (at most twice as many); older ones are folded into one total, so a run
+without checkpoints holds a bounded ledger and spends O(1) per step."""
 
 
 @dataclass
@@ -113,10 +117,23 @@ class WallLedger:
         self.debt: list[Piece] = []
         """Pieces that overran their interval, for the next."""
         self.by_step: dict[int, dict[str, float]] = {}
-        """Kept seconds given to each step not yet under a committed checkpoint."""
+        """Kept seconds given to each of the latest steps not yet under a committed checkpoint."""
+        self.older: dict[str, float] = {}
+        """Kept seconds of the steps not under a committed checkpoint before those, folded up to
+        `older_upto` (a rewind below it moves them all to redone)."""
+        self.older_upto: int | None = None
+        self.floor = 0
+        """The latest step under a committed checkpoint: its seconds and those before are kept."""
+        self.top: int | None = None
+        """The latest step recorded (after a rewind: at most the step rewound to)."""
         self.blocked_steps: set[int] = set()
         """Asynchronous saves counted when they blocked, whose records have not come yet."""
         self.stepped = False
+        self.starts = 0
+        """The workers' starts before the first step (`started`)."""
+        self.restart_restored = False
+        """A restart record before the first step timed the first start's restore (that start
+        followed one that failed before its workers joined): the startup restore is in it."""
         self._new_interval()
 
     def _new_interval(self) -> None:
@@ -140,8 +157,14 @@ class WallLedger:
         elif kind == "restart":
             self._phases(record)
             self.after_restart = "interrupted" not in record
+            self.restart_restored |= self.after_restart and not self.stepped and self.starts <= 1
         elif kind == "resize" and not after_restart:  # a restart that changed dp: counted once
             self._phases(record)
+
+    def started(self) -> None:
+        """The workers started (a start's or a recovery's restore done)."""
+        if not self.stepped:
+            self.starts += 1
 
     def save_blocked(self, step: int, seconds: float) -> None:
         """An asynchronous save of `step` blocked training for `seconds` since the cursor."""
@@ -172,8 +195,9 @@ class WallLedger:
         """A step record at `now`: the interval since the cursor given out. `startup_restore`:
         the first start's restore phase, given to `restore` in the process's first interval."""
         step = int(record["step"])
-        if any(s >= step for s in self.by_step):  # trained again without a rewind: the old ones are redone
+        if self.top is not None and step <= self.top:  # trained again without a rewind: the old ones are redone
             self.rewind(step - 1)
+        self.top = step
         if record.get(HEALED_FORWARD):  # trained before the failure, recorded in its recovery
             self.pending += [Piece(c, s, step) for c, s in step_pieces(record).items() if s > 0]
             self.covered += record.get("step_time_s") or 0.0  # inside the recovery's detect_s
@@ -182,7 +206,7 @@ class WallLedger:
         pieces = [Piece(c, s, step) for c, s in step_pieces(record).items() if s > 0]
         if record.get("eval_s"):
             pieces.append(Piece("evaluation", record["eval_s"]))
-        if not self.stepped and startup_restore > 0:
+        if not self.stepped and startup_restore > 0 and not self.restart_restored:
             pieces.append(Piece("restore", startup_restore))
         rest = "startup" if not self.stepped else "preemption_drain" if self.preempted else "host_overhead"
         self._settle(
@@ -196,10 +220,10 @@ class WallLedger:
         committed in it (the final save and its upload), detection when the run failed."""
         if not self.stepped:
             rest = "startup"
-        elif self.saved:
-            rest = "checkpoint"
+        elif status == "failed":  # a failed run's save reported late is not its end's cause
+            rest = "detection"
         else:
-            rest = "detection" if status == "failed" else "host_overhead"
+            rest = "checkpoint" if self.saved else "host_overhead"
         self._settle(now, [*self.debt, *self.pending], Piece(rest, 0.0))
         self.debt = []
 
@@ -221,24 +245,52 @@ class WallLedger:
         if seconds <= 0:
             return
         self.totals[cause] += seconds
-        if step is not None and cause in KEPT:
-            kept = self.by_step.setdefault(step, {})
-            kept[cause] = kept.get(cause, 0.0) + seconds
+        if step is None or cause not in KEPT or step <= self.floor:
+            return
+        kept = (
+            self.older if self.older_upto is not None and step <= self.older_upto else self.by_step.setdefault(step, {})
+        )
+        kept[cause] = kept.get(cause, 0.0) + seconds
+        if len(self.by_step) > 2 * STEP_WINDOW:
+            self._fold()
+
+    def _fold(self) -> None:
+        """The oldest half of `by_step` into `older`: amortized O(1) per step."""
+        oldest = sorted(self.by_step)[:STEP_WINDOW]
+        for s in oldest:
+            for cause, seconds in self.by_step.pop(s).items():
+                self.older[cause] = self.older.get(cause, 0.0) + seconds
+        self.older_upto = max(oldest[-1], self.older_upto or 0)
 
     def rewind(self, step: int) -> None:
         """Steps after `step` will be trained again: the seconds they were given are redone."""
-        for s in [s for s in self.by_step if s > step]:
-            for cause, seconds in self.by_step.pop(s).items():
+        gone = [self.by_step.pop(s) for s in [s for s in self.by_step if s > step]]
+        if self.older_upto is not None and step < self.older_upto:
+            gone.append(self.older)
+            self.older, self.older_upto = {}, None
+        for kept in gone:
+            for cause, seconds in kept.items():
                 self.totals[cause] -= seconds
                 self.totals["redone"] += seconds
+        self.top = step if self.top is None else min(self.top, step)
+        self.floor = min(self.floor, step)  # a restore from an older checkpoint than the latest
         for piece in self.debt:
             if piece.step is not None and piece.step > step:
                 piece.cause, piece.step = "redone", None
 
     def committed(self, step: int) -> None:
         """Step `step` is under a committed checkpoint: it and those before are never trained again."""
+        self.floor = max(self.floor, step)
         for s in [s for s in self.by_step if s <= step]:
             del self.by_step[s]
+        if self.older_upto is not None and self.older_upto <= step:
+            self.older, self.older_upto = {}, None
+
+    def tail(self) -> list[list]:
+        """The kept seconds not under a committed checkpoint, by step (the folded ones under the
+        latest step folded), for goodput.json."""
+        out = [[self.older_upto, self.older]] if self.older_upto is not None else []
+        return [[s, {c: round(v, 6) for c, v in kept.items()}] for s, kept in [*out, *sorted(self.by_step.items())]]
 
     @property
     def wall_s(self) -> float:
@@ -327,6 +379,7 @@ class Wallclock(Reporter):
             self._save()
 
     def after_workers_start(self, placement: list[dict], description: dict) -> None:
+        self.ledger.started()
         if self.earlier is None:  # the first start: it resumed from `resumed` (none: from the beginning)
             self.earlier = [settled(p, self.resumed or 0) for p in self.found]
 
@@ -346,8 +399,6 @@ class Wallclock(Reporter):
 
     def before_close(self, summary: dict, history: list[StepMetrics]) -> None:
         self.ledger.close(self.ledger.since + summary["wall_s"], summary.get("status", "completed"))
-        if self.earlier is None:
-            self.earlier = [settled(p, self.resumed if self.resumed is not None else 1 << 62) for p in self.found]
         seconds, wall = self.seconds()
         self._point(wall, seconds)
         share = effective_time(seconds, wall)
@@ -356,7 +407,7 @@ class Wallclock(Reporter):
             "seconds": rounded,
             "wall_s": round(wall, 3),
             "effective_time": round(share, 4),
-            "processes": len(self.earlier) + 1,
+            "processes": len(self._earlier()) + 1,
         }
         if self.emit is not None:
             self.emit(
@@ -377,11 +428,16 @@ class Wallclock(Reporter):
     def seconds(self) -> tuple[dict[str, float], float]:
         """The run's seconds by cause and its wall time: this process's, and the earlier ones'."""
         out, wall = dict(self.ledger.totals), self.ledger.wall_s
-        for entry in self.earlier or []:
+        for entry in self._earlier():
             wall += float(entry.get("wall_s", 0.0))
             for cause in CAUSES:
-                out[cause] += entry["seconds"][cause]
+                out[cause] += float(entry["seconds"].get(cause, 0.0))
         return out, wall
+
+    def _earlier(self) -> list[dict]:
+        """The earlier processes: settled once this process's workers started, else as found
+        (their tails kept: the process that resumes settles them against its own step)."""
+        return self.earlier if self.earlier is not None else self.found
 
     def _point(self, wall: float, seconds: dict[str, float]) -> None:
         self.points.append((wall, tuple(seconds[c] for c in CAUSES)))
@@ -399,10 +455,9 @@ class Wallclock(Reporter):
             "updated": round(time.time(), 3),
             "wall_s": round(led.wall_s, 6),
             "seconds": {c: round(v, 6) for c, v in led.totals.items()},
-            "tail": [[s, {c: round(v, 6) for c, v in kept.items()}] for s, kept in sorted(led.by_step.items())],
+            "tail": led.tail(),
         }
-        earlier = self.earlier if self.earlier is not None else self.found
-        data = {"processes": [*earlier, mine]}
+        data = {"processes": [*self._earlier(), mine]}
         try:
             self.store.write_bytes(self.store.join(STORE_FILE), (json.dumps(data, indent=1) + "\n").encode())
         except Exception as err:  # noqa: BLE001 - the checkpoint store's trouble is for checkpoints to report
