@@ -155,7 +155,44 @@ def test_on_cuda_the_waits_are_the_streams_between_two_events(fake_time, monkeyp
         FakeEvent.lag = 0.75
     seconds = clock.end()
     assert seconds["tp"] == pytest.approx(0.5) and seconds["dp"] == pytest.approx(0.25)
-    assert seconds["compute"] == 1.0 and FakeEvent.synchronized == 2  # two outer waits, read once each
+    assert FakeEvent.synchronized == 2  # two outer waits, read once each
+    assert seconds["compute"] == pytest.approx(1.0 - 0.75)  # the device's waits come out of compute
+
+
+def test_on_cuda_the_loss_sync_is_compute_and_the_device_waits_come_out_of_it(fake_time, monkeypatch):
+    """A simulated CUDA step: 20 ms of launches (15 ms of device waits among them), the loss
+    all-reduce launched, the loss read blocking 75 ms on the device's forward and backward, 5 ms
+    of the host's own: compute 80 ms, host 5 ms, waits 15 ms, adding up to the 100 ms step."""
+    import torch
+
+    FakeEvent.clock, FakeEvent.lag, FakeEvent.synchronized = fake_time, 0.0, 0
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    clock = StepClock(torch.device("cuda"))
+    clock.begin()
+    with clock.part("compute"):  # forward and backward: the host launches
+        fake_time.now += 0.010
+        with clock.wait():  # a tp collective: the stream waits 15 ms on it, the host not at all
+            FakeEvent.lag = 0.0
+            fake_time.now += 0.001
+            FakeEvent.lag = 0.015 - 0.001
+        fake_time.now += 0.009
+    FakeEvent.lag = 0.0
+    with clock.wait("dp"):  # the loss all-reduce: launched, no device wait of its own
+        pass
+    with clock.sync():  # float(loss): the host waits for the device's whole step
+        fake_time.now += 0.075
+    fake_time.now += 0.005  # the host's own bookkeeping
+    seconds = clock.end()
+    split = split_step(seconds, 0.100, window_s=0.0, ideal=0.0)
+    assert split["compute_s"] == pytest.approx(0.080) and split["host_s"] == pytest.approx(0.005)
+    assert split["comm_tp_s"] == pytest.approx(0.015) and split["comm_dp_s"] == pytest.approx(0.0)
+    assert seconds["compute"] == pytest.approx(0.080) and sum(split.values()) == pytest.approx(0.100)
+    # On CPU nothing is pending at the loss read: its time stays the host's.
+    cpu = StepClock()
+    cpu.begin()
+    with cpu.sync():
+        fake_time.now += 0.075
+    assert cpu.end()["host"] == pytest.approx(0.075)
 
 
 def test_the_ideal_bubble_of_a_schedule():

@@ -303,4 +303,5 @@ class Trainer:
                 dist.all_reduce(loss, group=dp)
         if dp is not None:
             loss = loss / self.topo.dp
-        return float(loss)
+        with self.timeline.clock.sync():  # CUDA: the step's first device sync (compute, in the split)
+            return float(loss)

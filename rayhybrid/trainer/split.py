@@ -22,8 +22,9 @@ own collectives (clipping's norm, the loss, the commit vote) are timed where the
 them. On CPU a wait is timed on the host (perf_counter); on CUDA a host timer sees only the
 launch, so a wait is a pair of CUDA events on the current stream, which the stream passes only
 once the collective it waits for is done, read at the end of the step (after the step's own
-host syncs: the loss read and the commit vote, no sync added).
-"""
+host syncs: the loss read and the commit vote, no sync added). There the host timers see
+launches, and the host blocked in the step's syncs (`StepClock.sync`) is the device computing:
+compute is that, less the device's waits (which happened inside it); host is the host's own."""
 
 from __future__ import annotations
 
@@ -99,6 +100,12 @@ class StepClock:
         """A context manager: blocked on a collective of `kind` (default: the enclosing part's)."""
         return self.part(None, kind)
 
+    def sync(self) -> _Part:
+        """A context manager: the host blocked in one of the step's own device syncs (the loss
+        read). On CUDA that is the device's forward and backward finishing, so compute (the
+        device's waits are taken out of it at `end`); on CPU nothing is pending: the host's."""
+        return self.part("compute" if self.cuda else "host")
+
     def enter(self, name: str | None, comm: str | None) -> None:
         if not self.active:
             return
@@ -140,13 +147,17 @@ class StepClock:
         self.seconds[self.stack[-1][0]] += now - self.mark
         self.mark = now
         seconds = dict(self.seconds)
-        if self.cuda:
+        if self.cuda:  # the host's readings of waits are launches (and a wait's own sync): compute's
+            blocked = sum(seconds[kind] for kind in COMM)
             for kind in COMM:
                 seconds[kind] = 0.0
             for kind, start, end in self.pairs:
                 end.synchronize()  # recorded before the step's last host sync: already passed
                 seconds[kind] += start.elapsed_time(end) / 1e3
             self.pairs = []
+            # The device's waits happened inside the syncs the host counted as compute: out of it.
+            device_waits = sum(seconds[kind] for kind in COMM)
+            seconds["compute"] = max(0.0, seconds["compute"] + blocked - device_waits)
         return seconds
 
 
