@@ -466,3 +466,27 @@ def test_from_run_without_a_measured_goodput_is_one_line_naming_the_setting(tmp_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error: from_run:" in err and "has no goodput" in err, err
     assert "summary.json's goodput" in err  # the fix
+
+
+def test_the_tied_copies_all_reduce_is_a_dp_wait_not_compute(fake_time, monkeypatch):
+    """The last stage blocked in the tied all-reduce on a slow first stage is waiting, not
+    computing: `sum_grads` runs its all-reduce inside the clock's wait (dp, as clipping's)."""
+    import torch
+
+    from rayhybrid.parallel import tied as tied_module
+
+    def all_reduce(tensor, group=None):  # the peer on the first stage is 0.5 s late
+        fake_time.now += 0.5
+
+    monkeypatch.setattr(tied_module.dist, "all_reduce", all_reduce)
+    copies = tied_module.TiedCopies.__new__(tied_module.TiedCopies)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.ones(2)
+    copies.sources, copies.copies, copies.group = {}, {"embed.weight": weight}, object()
+    clock = StepClock()
+    clock.begin()
+    with clock.part("compute", "dp"):  # as Trainer.clip_gradients
+        fake_time.now += 0.25
+        copies.sum_grads(waiting=clock.wait)
+    seconds = clock.end()
+    assert seconds["dp"] == pytest.approx(0.5) and seconds["compute"] == pytest.approx(0.25)

@@ -221,10 +221,11 @@ class Trainer:
 
     def clip_gradients(self) -> torch.Tensor:
         """Sum the tied copies' gradients, clip all to train.grad_clip; the global norm. Its
-        collectives, as all the step's own, wait as dp's (the MFU split, trainer/split.py)."""
+        collectives (the tied all-reduce too), as all the step's own, wait as dp's (the MFU
+        split, trainer/split.py)."""
         clock, pp = self.timeline.clock, self._group("pp")
         with self.timeline.span("clip grad norm", "comm", stage=self.stages[0][0]), clock.part("compute", "dp"):
-            self.tied.sum_grads()
+            self.tied.sum_grads(waiting=clock.wait)  # first and last stage's all-reduce: a dp wait
             return clip_grad_norm_(self.params, self.cfg.train.grad_clip, pp, self.tied.uncounted, waiting=clock.wait)
 
     def forward_backward(self) -> torch.Tensor:
