@@ -196,9 +196,13 @@ def test_on_cuda_the_loss_sync_is_compute_and_the_device_waits_come_out_of_it(fa
 
 
 def test_the_ideal_bubble_of_a_schedule():
-    assert ideal_bubble(1, 1, 8) == 0.0
-    assert ideal_bubble(2, 1, 4) == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
-    assert ideal_bubble(4, 2, 8) == pytest.approx(3 / 19)  # interleaved: v*m
+    assert ideal_bubble("1f1b", 1, 1, 8) == 0.0
+    assert ideal_bubble("1f1b", 2, 1, 4) == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    assert ideal_bubble("gpipe", 2, 1, 4) == pytest.approx(1 / 5)
+    assert ideal_bubble("interleaved_1f1b", 4, 2, 8) == pytest.approx(3 / 19)  # interleaved: v*m
+    # Zero bubble: the planner's smaller share, not 1F1B's (so pp comm is not reported as bubble).
+    assert ideal_bubble("interleaved_zb", 4, 2, 8) == pytest.approx(3 / (3 * 2 * 8 + 3))
+    assert ideal_bubble("zbv", 2, 2, 4) == 0.0  # m >= 2p-1
 
 
 def test_the_pipeline_idle_is_bubble_up_to_the_ideal_share_and_pp_comm_beyond():

@@ -100,7 +100,7 @@ class Trainer:
         self.tied = TiedCopies(self.stages, self.layout)  # an output tied to the embedding at pp>1
         self.optimizers = build_optimizers(self.stages, cfg.train)
         self.timeline = Timeline(rank, device)  # its clock: the step's MFU split (trainer/split.py)
-        self.timeline.ideal_bubble = ideal_bubble(t.pp, len(self.stages), self.n_microbatches)
+        self.timeline.ideal_bubble = ideal_bubble(t.schedule, t.pp, len(self.stages), self.n_microbatches)
         install()  # the waits torch blocks in, charged to the running step's clock
         self.trace_steps = set(cfg.metrics.trace_steps)
         instrument = functools.partial(instrument_stage, timeline=self.timeline, phase=self._phase)

@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from rayhybrid.config.topology import bubble_fraction
 from rayhybrid.trainer.results import SPLIT_PARTS
 
 log = logging.getLogger(__name__)
@@ -161,12 +162,12 @@ class StepClock:
         return seconds
 
 
-def ideal_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:
-    """The schedule's idle share with no communication at all: (p-1)/(v*m + p-1) for p pipeline
-    ranks holding v stages each and m micro-batches (0 without a pipeline)."""
-    if pp <= 1:
-        return 0.0
-    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+def ideal_bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """The schedule's idle share with no communication at all, for p pipeline ranks holding v
+    stages each and m micro-batches: the planner's `bubble_fraction` (config/topology.py), e.g.
+    (p-1)/(v*m + p-1) for 1F1B and interleaved 1F1B, a third of it for zero bubble (ZB-H1),
+    0 for ZB-V with m >= 2p-1; 0 without a pipeline."""
+    return bubble_fraction(schedule, pp, microbatches, stages_per_rank)[0]
 
 
 def split_step(seconds: dict[str, float], step_time_s: float, *, window_s: float, ideal: float) -> dict[str, float]:
