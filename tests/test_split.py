@@ -155,13 +155,54 @@ def test_on_cuda_the_waits_are_the_streams_between_two_events(fake_time, monkeyp
         FakeEvent.lag = 0.75
     seconds = clock.end()
     assert seconds["tp"] == pytest.approx(0.5) and seconds["dp"] == pytest.approx(0.25)
-    assert seconds["compute"] == 1.0 and FakeEvent.synchronized == 2  # two outer waits, read once each
+    assert FakeEvent.synchronized == 2  # two outer waits, read once each
+    assert seconds["compute"] == pytest.approx(1.0 - 0.75)  # the device's waits come out of compute
+
+
+def test_on_cuda_the_loss_sync_is_compute_and_the_device_waits_come_out_of_it(fake_time, monkeypatch):
+    """A simulated CUDA step: 20 ms of launches (15 ms of device waits among them), the loss
+    all-reduce launched, the loss read blocking 75 ms on the device's forward and backward, 5 ms
+    of the host's own: compute 80 ms, host 5 ms, waits 15 ms, adding up to the 100 ms step."""
+    import torch
+
+    FakeEvent.clock, FakeEvent.lag, FakeEvent.synchronized = fake_time, 0.0, 0
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    clock = StepClock(torch.device("cuda"))
+    clock.begin()
+    with clock.part("compute"):  # forward and backward: the host launches
+        fake_time.now += 0.010
+        with clock.wait():  # a tp collective: the stream waits 15 ms on it, the host not at all
+            FakeEvent.lag = 0.0
+            fake_time.now += 0.001
+            FakeEvent.lag = 0.015 - 0.001
+        fake_time.now += 0.009
+    FakeEvent.lag = 0.0
+    with clock.wait("dp"):  # the loss all-reduce: launched, no device wait of its own
+        pass
+    with clock.sync():  # float(loss): the host waits for the device's whole step
+        fake_time.now += 0.075
+    fake_time.now += 0.005  # the host's own bookkeeping
+    seconds = clock.end()
+    split = split_step(seconds, 0.100, window_s=0.0, ideal=0.0)
+    assert split["compute_s"] == pytest.approx(0.080) and split["host_s"] == pytest.approx(0.005)
+    assert split["comm_tp_s"] == pytest.approx(0.015) and split["comm_dp_s"] == pytest.approx(0.0)
+    assert seconds["compute"] == pytest.approx(0.080) and sum(split.values()) == pytest.approx(0.100)
+    # On CPU nothing is pending at the loss read: its time stays the host's.
+    cpu = StepClock()
+    cpu.begin()
+    with cpu.sync():
+        fake_time.now += 0.075
+    assert cpu.end()["host"] == pytest.approx(0.075)
 
 
 def test_the_ideal_bubble_of_a_schedule():
-    assert ideal_bubble(1, 1, 8) == 0.0
-    assert ideal_bubble(2, 1, 4) == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
-    assert ideal_bubble(4, 2, 8) == pytest.approx(3 / 19)  # interleaved: v*m
+    assert ideal_bubble("1f1b", 1, 1, 8) == 0.0
+    assert ideal_bubble("1f1b", 2, 1, 4) == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    assert ideal_bubble("gpipe", 2, 1, 4) == pytest.approx(1 / 5)
+    assert ideal_bubble("interleaved_1f1b", 4, 2, 8) == pytest.approx(3 / 19)  # interleaved: v*m
+    # Zero bubble: the planner's smaller share, not 1F1B's (so pp comm is not reported as bubble).
+    assert ideal_bubble("interleaved_zb", 4, 2, 8) == pytest.approx(3 / (3 * 2 * 8 + 3))
+    assert ideal_bubble("zbv", 2, 2, 4) == 0.0  # m >= 2p-1
 
 
 def test_the_pipeline_idle_is_bubble_up_to_the_ideal_share_and_pp_comm_beyond():
@@ -429,3 +470,27 @@ def test_from_run_without_a_measured_goodput_is_one_line_naming_the_setting(tmp_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error: from_run:" in err and "has no goodput" in err, err
     assert "summary.json's goodput" in err  # the fix
+
+
+def test_the_tied_copies_all_reduce_is_a_dp_wait_not_compute(fake_time, monkeypatch):
+    """The last stage blocked in the tied all-reduce on a slow first stage is waiting, not
+    computing: `sum_grads` runs its all-reduce inside the clock's wait (dp, as clipping's)."""
+    import torch
+
+    from rayhybrid.parallel import tied as tied_module
+
+    def all_reduce(tensor, group=None):  # the peer on the first stage is 0.5 s late
+        fake_time.now += 0.5
+
+    monkeypatch.setattr(tied_module.dist, "all_reduce", all_reduce)
+    copies = tied_module.TiedCopies.__new__(tied_module.TiedCopies)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.ones(2)
+    copies.sources, copies.copies, copies.group = {}, {"embed.weight": weight}, object()
+    clock = StepClock()
+    clock.begin()
+    with clock.part("compute", "dp"):  # as Trainer.clip_gradients
+        fake_time.now += 0.25
+        copies.sum_grads(waiting=clock.wait)
+    seconds = clock.end()
+    assert seconds["dp"] == pytest.approx(0.5) and seconds["compute"] == pytest.approx(0.25)

@@ -306,3 +306,16 @@ def test_evacuate_moves_off_the_slow_node_losing_nothing(cluster, quiet_run, tmp
     wait_for(
         lambda: not alive.update({n["NodeID"]: n["Alive"] for n in ray.nodes()}) and not alive[victim["node_id"]], 60
     )
+
+
+def test_peers_computing_next_to_nothing_count_neither_way():
+    """Against peers whose median compute is below max(1 ms, 1% of the step) a rank's ratio is
+    huge and meaningless: that stage's step counts neither for nor against (no evacuation)."""
+    policy = StragglerPolicy(placement(4), slowdown=1.2, steps=2)
+    for step in range(1, 11):  # peers at 0.5 ms (below 1 ms): rank 2's 0.4 s is not a straggler
+        assert policy.observe(step, [0.0005, 0.0005, 0.4, 0.0005], 0.5) == []
+    for step in range(11, 21):  # 5 ms peers, but under 1% of a 1 s step: still skipped
+        assert policy.observe(step, [0.005, 0.005, 0.4, 0.005], 1.0) == []
+    # The skipped steps counted neither way: two real slow steps name it, at the second.
+    assert policy.observe(21, [0.2, 0.2, 0.4, 0.2], 1.0) == []
+    assert [n.rank for n in policy.observe(22, [0.2, 0.2, 0.4, 0.2], 1.0)] == [2]

@@ -157,6 +157,30 @@ SCHEDULE_TABLE: dict[str, Schedule] = {
 """The one table of the schedules rayhybrid runs (torch.distributed.pipelining's)."""
 
 
+def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> tuple[float, str]:
+    """Theoretical idle fraction of a pipeline step, assuming equal stage times; (value, formula).
+    The planner's estimate (plan/estimate.py) and the MFU split's ideal bubble (trainer/split.py)."""
+    if pp == 1:
+        return 0.0, "no pipeline"
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (m + pp - 1), "(pp-1)/(m+pp-1)"
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / (v * m + pp - 1), "(pp-1)/(v*m+pp-1), v stages per rank (Narayanan et al. 2021)"
+    if schedule == "interleaved_zb":
+        # ZB-H1 (Qi et al. 2024): splitting backward into B (inputs) and W (weights) and
+        # filling the cool-down with W leaves (pp-1)(T_F + T_B - T_W) idle, a third of 1F1B's
+        # (pp-1)(T_F + T_B + T_W) when T_F = T_B = T_W; interleaving v stages per rank divides it by v.
+        return (pp - 1) / (3 * v * m + pp - 1), "(pp-1)/(3*v*m+pp-1): ZB-H1 with T_F=T_B=T_W, interleaved v-way"
+    if schedule == "zbv":
+        # ZB-V (Qi et al. 2024) has no bubble when T_F = T_B = T_W and m >= 2pp-1; torch pads
+        # the schedule to 2pp-1 micro-batches, so fewer leave their slots idle.
+        if m >= 2 * pp - 1:
+            return 0.0, "0: ZB-V with T_F=T_B=T_W and m >= 2pp-1"
+        n = 2 * pp - 1
+        return (n - m) / n, "(2pp-1-m)/(2pp-1): ZB-V padded to 2pp-1 micro-batches"
+    raise ValueError(schedule)
+
+
 def stage_style(schedule: str) -> str:
     """How stages are assigned to pipeline ranks: `v` for V-shaped schedules, else `loop`."""
     return "v" if SCHEDULE_TABLE[schedule].v_shaped else "loop"

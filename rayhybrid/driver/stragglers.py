@@ -33,6 +33,11 @@ from rayhybrid.driver.reporting import Reporter
 
 log = logging.getLogger("rayhybrid")
 
+MIN_PEER_COMPUTE_S = 1e-3
+PEER_COMPUTE_SHARE = 0.01
+"""A stage whose peers' median compute is below max(MIN_PEER_COMPUTE_S, PEER_COMPUTE_SHARE x
+the step's time) counts neither way at that step (the ratio to ~0 means nothing)."""
+
 
 @dataclass(frozen=True)
 class Named:
@@ -77,14 +82,19 @@ class StragglerPolicy:
     def has_peers(self) -> bool:
         return any(self.peers.values())
 
-    def observe(self, step: int, compute_s: list[float | None] | None) -> list[Named]:
+    def observe(self, step: int, compute_s: list[float | None] | None, step_time_s: float = 0.0) -> list[Named]:
         """One step's compute seconds, in rank order (None, or a shorter list: not measured,
-        the step counts neither way)."""
+        the step counts neither way). A rank whose peers' median compute is below the floor,
+        max(1 ms, 1% of the record's `step_time_s`), counts neither way at that step: against
+        peers computing ~nothing any rank's ratio is huge and says nothing."""
         if not compute_s or len(compute_s) != len(self.where) or any(c is None for c in compute_s):
             return []
+        floor = max(MIN_PEER_COMPUTE_S, PEER_COMPUTE_SHARE * (step_time_s or 0.0))
         for rank, count in self.counts.items():
             peers = [compute_s[q] for q in self.peers[rank]]
-            ratio = compute_s[rank] / max(statistics.median(peers), 1e-9) if peers else 0.0
+            if peers and statistics.median(peers) < floor:
+                continue
+            ratio = compute_s[rank] / statistics.median(peers) if peers else 0.0
             if ratio >= self.slowdown:
                 count.slow, count.calm = count.slow + 1, 0
                 count.ratios = [*count.ratios[-(self.steps - 1) :], ratio] if self.steps > 1 else [ratio]
@@ -142,7 +152,9 @@ class StragglerWatch(Reporter):
     def after_step(self, record) -> None:
         if self.policy is None:
             return
-        for named in self.policy.observe(record["step"], record.get("compute_s_by_rank")):
+        for named in self.policy.observe(
+            record["step"], record.get("compute_s_by_rank"), record.get("step_time_s") or 0.0
+        ):
             self.name(named)
 
     def name(self, n: Named) -> None:

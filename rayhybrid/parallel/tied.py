@@ -20,6 +20,9 @@ whole table on each tp rank) while the output's is Shard(0) like its weight. Dat
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -81,8 +84,10 @@ class TiedCopies:
         return list(self.copies.values())
 
     @torch.no_grad()
-    def sum_grads(self) -> None:
-        """Sum the gradients of each tied pair (its two copies hold the sum afterwards)."""
+    def sum_grads(self, waiting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+        """Sum the gradients of each tied pair (its two copies hold the sum afterwards). The
+        all-reduce between the first and the last stage runs inside `waiting()` (the MFU split
+        counts it as a wait, not compute: a rank blocked there on a slow peer is not slow)."""
         for param in [*self.sources.values(), *self.copies.values()]:
             _as_param(param)
         if self.sources and self.copies:  # one rank holds both ends
@@ -94,8 +99,9 @@ class TiedCopies:
         if self.group is None:
             return
         held = self.sources or self.copies
-        for name in sorted(held):
-            dist.all_reduce(_local(held[name].grad), group=self.group)
+        with waiting():
+            for name in sorted(held):
+                dist.all_reduce(_local(held[name].grad), group=self.group)
 
 
 def _owner(layout: Layout, stage: int) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayhybrid.config.schema import Config, ModelConfig
-from rayhybrid.config.topology import Layout
+from rayhybrid.config.topology import Layout, bubble_fraction  # noqa: F401 (est.bubble_fraction: kept there)
 from rayhybrid.errors import ConfigError
 from rayhybrid.models.registry import get_spec
 from rayhybrid.models.spec import MemoryModel, ParamTensor
@@ -197,29 +197,6 @@ def model_flops_per_token(model_cfg: ModelConfig, seq_len: int, attention: bool 
     built-in models 6N for the weights, Kaplan et al. 2020, plus, with `attention`, 12 x n_layers
     x seq_len x attn_dim for the attention scores and their weighted sum)."""
     return float(get_spec(model_cfg).flops_per_token(model_cfg, seq_len, attention=attention))
-
-
-def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> tuple[float, str]:
-    """Theoretical idle fraction of a pipeline step, assuming equal stage times; (value, formula)."""
-    if pp == 1:
-        return 0.0, "no pipeline"
-    if schedule in ("gpipe", "1f1b"):
-        return (pp - 1) / (m + pp - 1), "(pp-1)/(m+pp-1)"
-    if schedule == "interleaved_1f1b":
-        return (pp - 1) / (v * m + pp - 1), "(pp-1)/(v*m+pp-1), v stages per rank (Narayanan et al. 2021)"
-    if schedule == "interleaved_zb":
-        # ZB-H1 (Qi et al. 2024): splitting backward into B (inputs) and W (weights) and
-        # filling the cool-down with W leaves (pp-1)(T_F + T_B - T_W) idle, a third of 1F1B's
-        # (pp-1)(T_F + T_B + T_W) when T_F = T_B = T_W; interleaving v stages per rank divides it by v.
-        return (pp - 1) / (3 * v * m + pp - 1), "(pp-1)/(3*v*m+pp-1): ZB-H1 with T_F=T_B=T_W, interleaved v-way"
-    if schedule == "zbv":
-        # ZB-V (Qi et al. 2024) has no bubble when T_F = T_B = T_W and m >= 2pp-1; torch pads
-        # the schedule to 2pp-1 micro-batches, so fewer leave their slots idle.
-        if m >= 2 * pp - 1:
-            return 0.0, "0: ZB-V with T_F=T_B=T_W and m >= 2pp-1"
-        n = 2 * pp - 1
-        return (n - m) / n, "(2pp-1-m)/(2pp-1): ZB-V padded to 2pp-1 micro-batches"
-    raise ValueError(schedule)
 
 
 # ------------------------------------------------------------------------------------------

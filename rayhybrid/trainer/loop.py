@@ -100,7 +100,7 @@ class Trainer:
         self.tied = TiedCopies(self.stages, self.layout)  # an output tied to the embedding at pp>1
         self.optimizers = build_optimizers(self.stages, cfg.train)
         self.timeline = Timeline(rank, device)  # its clock: the step's MFU split (trainer/split.py)
-        self.timeline.ideal_bubble = ideal_bubble(t.pp, len(self.stages), self.n_microbatches)
+        self.timeline.ideal_bubble = ideal_bubble(t.schedule, t.pp, len(self.stages), self.n_microbatches)
         install()  # the waits torch blocks in, charged to the running step's clock
         self.trace_steps = set(cfg.metrics.trace_steps)
         instrument = functools.partial(instrument_stage, timeline=self.timeline, phase=self._phase)
@@ -221,10 +221,11 @@ class Trainer:
 
     def clip_gradients(self) -> torch.Tensor:
         """Sum the tied copies' gradients, clip all to train.grad_clip; the global norm. Its
-        collectives, as all the step's own, wait as dp's (the MFU split, trainer/split.py)."""
+        collectives (the tied all-reduce too), as all the step's own, wait as dp's (the MFU
+        split, trainer/split.py)."""
         clock, pp = self.timeline.clock, self._group("pp")
         with self.timeline.span("clip grad norm", "comm", stage=self.stages[0][0]), clock.part("compute", "dp"):
-            self.tied.sum_grads()
+            self.tied.sum_grads(waiting=clock.wait)  # first and last stage's all-reduce: a dp wait
             return clip_grad_norm_(self.params, self.cfg.train.grad_clip, pp, self.tied.uncounted, waiting=clock.wait)
 
     def forward_backward(self) -> torch.Tensor:
@@ -303,4 +304,5 @@ class Trainer:
                 dist.all_reduce(loss, group=dp)
         if dp is not None:
             loss = loss / self.topo.dp
-        return float(loss)
+        with self.timeline.clock.sync():  # CUDA: the step's first device sync (compute, in the split)
+            return float(loss)

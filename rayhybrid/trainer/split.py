@@ -22,8 +22,9 @@ own collectives (clipping's norm, the loss, the commit vote) are timed where the
 them. On CPU a wait is timed on the host (perf_counter); on CUDA a host timer sees only the
 launch, so a wait is a pair of CUDA events on the current stream, which the stream passes only
 once the collective it waits for is done, read at the end of the step (after the step's own
-host syncs: the loss read and the commit vote, no sync added).
-"""
+host syncs: the loss read and the commit vote, no sync added). There the host timers see
+launches, and the host blocked in the step's syncs (`StepClock.sync`) is the device computing:
+compute is that, less the device's waits (which happened inside it); host is the host's own."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import time
 
 import torch
 
+from rayhybrid.config.topology import bubble_fraction
 from rayhybrid.trainer.results import SPLIT_PARTS
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,12 @@ class StepClock:
         """A context manager: blocked on a collective of `kind` (default: the enclosing part's)."""
         return self.part(None, kind)
 
+    def sync(self) -> _Part:
+        """A context manager: the host blocked in one of the step's own device syncs (the loss
+        read). On CUDA that is the device's forward and backward finishing, so compute (the
+        device's waits are taken out of it at `end`); on CPU nothing is pending: the host's."""
+        return self.part("compute" if self.cuda else "host")
+
     def enter(self, name: str | None, comm: str | None) -> None:
         if not self.active:
             return
@@ -140,22 +148,26 @@ class StepClock:
         self.seconds[self.stack[-1][0]] += now - self.mark
         self.mark = now
         seconds = dict(self.seconds)
-        if self.cuda:
+        if self.cuda:  # the host's readings of waits are launches (and a wait's own sync): compute's
+            blocked = sum(seconds[kind] for kind in COMM)
             for kind in COMM:
                 seconds[kind] = 0.0
             for kind, start, end in self.pairs:
                 end.synchronize()  # recorded before the step's last host sync: already passed
                 seconds[kind] += start.elapsed_time(end) / 1e3
             self.pairs = []
+            # The device's waits happened inside the syncs the host counted as compute: out of it.
+            device_waits = sum(seconds[kind] for kind in COMM)
+            seconds["compute"] = max(0.0, seconds["compute"] + blocked - device_waits)
         return seconds
 
 
-def ideal_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:
-    """The schedule's idle share with no communication at all: (p-1)/(v*m + p-1) for p pipeline
-    ranks holding v stages each and m micro-batches (0 without a pipeline)."""
-    if pp <= 1:
-        return 0.0
-    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+def ideal_bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """The schedule's idle share with no communication at all, for p pipeline ranks holding v
+    stages each and m micro-batches: the planner's `bubble_fraction` (config/topology.py), e.g.
+    (p-1)/(v*m + p-1) for 1F1B and interleaved 1F1B, a third of it for zero bubble (ZB-H1),
+    0 for ZB-V with m >= 2p-1; 0 without a pipeline."""
+    return bubble_fraction(schedule, pp, microbatches, stages_per_rank)[0]
 
 
 def split_step(seconds: dict[str, float], step_time_s: float, *, window_s: float, ideal: float) -> dict[str, float]:
