@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rayhybrid.driver.reporting import Reporter
-from rayhybrid.storage.store import one_line
+from rayhybrid.storage.store import one_line, write_json
 
 if TYPE_CHECKING:
     from rayhybrid.config.schema import Config
@@ -459,7 +459,7 @@ class Wallclock(Reporter):
         }
         data = {"processes": [*self._earlier(), mine]}
         try:
-            self.store.write_bytes(self.store.join(STORE_FILE), (json.dumps(data, indent=1) + "\n").encode())
+            write_json(self.store, STORE_FILE, data)
         except Exception as err:  # noqa: BLE001 - the checkpoint store's trouble is for checkpoints to report
             if not self.write_failed:
                 self.write_failed = True

@@ -22,7 +22,7 @@ from importlib import metadata
 
 from rayhybrid.data.prepared import FORMAT, INDEX, VERSION, Index, held_out_documents
 from rayhybrid.errors import ConfigError
-from rayhybrid.storage.store import Store, one_line, open_store
+from rayhybrid.storage.store import Store, one_line, open_store, write_json
 
 PROBE = ".rayhybrid-prepare-probe"
 STEM = "shard-"
@@ -165,6 +165,5 @@ def build_index(recipe: dict, shards: list[dict], dtype: str) -> dict:
 
 def write_index(store: Store, index: dict) -> str:
     """Write index.json (atomically: a PUT, or a rename on POSIX): the commit. Returns its URL."""
-    path = store.join(INDEX)
-    store.write_bytes(path, (json.dumps(index, indent=1) + "\n").encode())
+    write_json(store, INDEX, index)
     return f"{store.display}/{INDEX}"

@@ -19,6 +19,7 @@ No torch, no Ray here.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -173,6 +174,12 @@ class Store:
 
     def read_bytes(self, path: str) -> bytes:
         return self.fs.cat_file(path)
+
+
+def write_json(store: Store, name: str, data) -> None:
+    """`data` as indented JSON in the object `name` under the store's root, written whole
+    (`Store.write_bytes`): tracking.json, goodput.json, a prepared dataset's index.json."""
+    store.write_bytes(store.join(name), (json.dumps(data, indent=1) + "\n").encode())
 
 
 def open_store(url: str | os.PathLike, options: dict | None = None, *, setting: str) -> Store:

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 from rayhybrid.config.schema import Config
-from rayhybrid.storage.store import Store, one_line, redact, secret_values
+from rayhybrid.storage.store import Store, one_line, redact, secret_values, write_json
 from rayhybrid.tracking.base import Start, Tracker, flatten, number, scrubbed, step_scalars, strings
 from rayhybrid.tracking.mlflow import MLflowTracker
 from rayhybrid.tracking.tensorboard import TensorBoardTracker
@@ -163,7 +163,7 @@ class Trackers:
             return
         data = {**self.saved, **kept, "events": self.counts}
         try:
-            self.store.write_bytes(self.store.join(TRACKING_FILE), (json.dumps(data, indent=1) + "\n").encode())
+            write_json(self.store, TRACKING_FILE, data)
         except Exception as err:  # noqa: BLE001 - the checkpoint store's trouble is for checkpoints to report
             if not self.save_failed:
                 self.save_failed = True
