@@ -48,12 +48,18 @@ def own_gpus() -> tuple[str, ...]:
 def import_trainer() -> None:
     """Import the trainer once, with the collector off: the imports make ~300,000 long-lived
     objects, and each full collection they would trigger walks them all (~0.2 s of CPU each, a
-    quarter of the imports' time); once made, they are frozen out of every later collection."""
+    quarter of the imports' time); once made, they are frozen out of every later collection.
+    torch._dynamo too: torch imports it on the first DTensor made, or the first parameter
+    initialised on the meta device (`torch._disable_dynamo`), so every trainer build did, after
+    the freeze, and every collection since (a failed rank's `reset`, on the recovery's critical
+    path) walked its ~40,000 objects."""
     if "rayhybrid.trainer.loop" in sys.modules:
         return
     was_enabled = gc.isenabled()
     gc.disable()
     try:
+        import torch._dynamo  # noqa: F401
+
         import rayhybrid.trainer.loop  # noqa: F401
     finally:
         gc.freeze()
