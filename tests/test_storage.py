@@ -40,6 +40,7 @@ from rayhybrid.storage.store import (
     redact,
     redact_url,
     remove_probe,
+    round_trip,
     scrub,
     secret_values,
     write_probe,
@@ -621,6 +622,19 @@ def test_probe_unreachable_store_is_a_reason(s3):
     )
     reason = check_probe(store, store.join(PROBE_DIR, "x.marker"), "token")
     assert reason.startswith("cannot read it (EndpointConnectionError") and "\n" not in reason
+
+
+def test_round_trip_names_what_failed(tmp_path, monkeypatch):
+    """The write, read back and delete that the start-up probe and `python -m rayhybrid.check`
+    both run: None and nothing left; a path under a file cannot be written; a store that reads
+    back other bytes than it wrote is named for it."""
+    store = Store.open(str(tmp_path / "run"))
+    assert round_trip(store, store.join("probe"), b"x") is None and not store.fs.exists(store.join("probe"))
+    (tmp_path / "file").write_text("")
+    under_a_file = Store.open(str(tmp_path / "file"))
+    assert round_trip(under_a_file, under_a_file.join("probe"), b"x").startswith("cannot write there (")
+    monkeypatch.setattr(Store, "read_bytes", lambda self, path: b"y")
+    assert round_trip(store, store.join("probe"), b"x") == "cannot read back what it wrote"
 
 
 # -- config -------------------------------------------------------------------------------------

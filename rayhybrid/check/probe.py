@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayhybrid.storage.store import PROBE_DIR, Store, one_line, redact_url
+from rayhybrid.storage.store import PROBE_DIR, Store, one_line, redact_url, round_trip
 
 PACKAGES = (
     "torch",
@@ -130,17 +130,14 @@ def store_reason(url: str, options: dict) -> str | None:
     failed, in a few words (redacted)."""
     try:
         store = Store.open(url, options)
-        path = store.join(PROBE_DIR, f"check-{uuid.uuid4().hex}")
-        store.write_bytes(path, b"rayhybrid.check")
-        if store.read_bytes(path) != b"rayhybrid.check":
-            return "reads back another file than it wrote"
-        store.fs.rm_file(path)
     except Exception as err:  # noqa: BLE001 - any client error: the store cannot be used
         return f"cannot write there ({one_line(err)})"
-    if store.local:
+    path = store.join(PROBE_DIR, f"check-{uuid.uuid4().hex}")
+    reason = round_trip(store, path, b"rayhybrid.check")
+    if reason is None and store.local:
         with contextlib.suppress(OSError):  # left when another probe is in it
             Path(path).parent.rmdir()
-    return None
+    return reason
 
 
 def dataset_reason(url: str, options: dict) -> str | None:

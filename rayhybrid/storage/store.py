@@ -238,13 +238,18 @@ def check_probe(store: Store, marker: str, token: str) -> str | None:
         return f"cannot read it ({one_line(err)})"
     if seen != token:
         return f"{UNSEEN[1]} file where the driver wrote its marker (a disk of its own?)"
-    mine = f"{marker}.{uuid.uuid4().hex[:8]}"
+    return round_trip(store, f"{marker}.{uuid.uuid4().hex[:8]}", token.encode())
+
+
+def round_trip(store: Store, path: str, data: bytes) -> str | None:
+    """None when `data` can be written to `path`, read back the same and deleted; else what
+    failed, in a few words: "cannot read back what it wrote" or "cannot write there (<error>)"."""
     try:
-        store.write_bytes(mine, token.encode())
-        if store.read_bytes(mine) != token.encode():
+        store.write_bytes(path, data)
+        if store.read_bytes(path) != data:
             return "cannot read back what it wrote"
-        store.fs.rm_file(mine)
-    except Exception as err:  # noqa: BLE001
+        store.fs.rm_file(path)
+    except Exception as err:  # noqa: BLE001 - any client error: the store cannot be used
         return f"cannot write there ({one_line(err)})"
     return None
 
