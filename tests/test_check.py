@@ -16,6 +16,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,7 +28,10 @@ from rayhybrid.check.__main__ import main
 from rayhybrid.check.nodes import Node
 from rayhybrid.check.problems import node_problems
 from rayhybrid.config.compose import compose, to_config
-from rayhybrid.errors import ConfigError
+from rayhybrid.driver.launcher import Launcher
+from rayhybrid.driver.policies import ScalingPolicy
+from rayhybrid.driver.state import RunState
+from rayhybrid.errors import ConfigError, RunFailed
 from tests.test_elastic import events, records
 from tests.test_recovery import in_background, losses, when_step
 
@@ -239,13 +243,55 @@ def test_a_joining_node_is_checked_once_and_a_fatal_one_kept_off(monkeypatch, ca
     assert unchecked.refused([bad.id]) == frozenset() and len(asked) == 1
 
 
+class Placed:
+    """A worker group's placement: slot -> node; a slot replaced goes to `elsewhere` (None: stays pending)."""
+
+    def __init__(self, nodes: dict[int, str], elsewhere: str | None) -> None:
+        self.nodes, self.elsewhere, self.replaced = dict(nodes), elsewhere, []
+
+    def nodes_of(self, slots):
+        return [self.nodes[s] for s in slots]
+
+    def replace(self, slots):
+        self.replaced += slots
+
+    def wait_placed(self, slots, timeout_s):
+        for s in slots:
+            self.nodes[s] = self.elsewhere
+        return set() if self.elsewhere else set(slots)
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_the_launcher_moves_replicas_off_a_refused_node(elastic):
+    cfg = to_config(compose(["elastic.enabled=true", "elastic.max_dp=2"] if elastic else ["topology.dp=2"]))
+    launcher = Launcher(cfg, ScalingPolicy.of(cfg), None, None, None, None)
+    launcher.joins = SimpleNamespace(refused=lambda nodes: frozenset(set(nodes) & {"bad"}))
+    group = Placed({0: "good", 1: "good"}, elsewhere=None)
+    assert launcher.keep_off(RunState(), group, (0, 1)) == (RunState(), (0, 1)) and group.replaced == []
+    group = Placed({0: "good", 1: "bad"}, elsewhere="other")  # placed again elsewhere: all slots kept
+    run_state, slots = launcher.keep_off(RunState(), group, (0, 1))
+    assert slots == (0, 1) and group.replaced == [1] and run_state.evacuated == {"bad"}
+    group = Placed({0: "good", 1: "bad"}, elsewhere=None)  # no room elsewhere
+    if elastic:
+        assert launcher.keep_off(RunState(), group, (0, 1))[1] == (0,)
+    else:
+        launcher.ledger = SimpleNamespace(last_good=lambda: "no checkpoint yet")
+        with pytest.raises(RunFailed, match="could not be placed again"):
+            launcher.keep_off(RunState(), group, (0, 1))
+
+
 @pytest.mark.slow
 def test_a_node_joining_with_another_torch_is_kept_off_and_the_run_goes_on(cluster, tmp_path, caplog):
-    """After the healthy-cluster test (good and other, a replica each: cluster.cpus_per_rank=2),
-    an elastic run starts at dp 2; a node whose torch is 2.0.0 by its metadata joins and holds
+    """On the healthy cluster (good and other, a replica each: cluster.cpus_per_rank=2), an elastic run starts at dp 2; a node whose torch is 2.0.0 by its metadata joins and holds
     the third replica's placement group. At the grow, the check warns, records the event and
     drains the node: no rank starts there, the run goes on at dp 2 with the reference's losses."""
-    c, _ = cluster
+    c, nodes = cluster
+    for name in ("odd", "far"):  # gone already when the healthy-cluster test ran first
+        if name in nodes:
+            c.remove_node(nodes.pop(name))
+    if "other" not in nodes:
+        nodes["other"] = add_node(c, 2)
+        c.wait_for_nodes()
     fake = tmp_path / "fake" / "torch-2.0.0.dist-info"
     fake.mkdir(parents=True)
     (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.0.0\n")
