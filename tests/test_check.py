@@ -12,21 +12,28 @@ once the two nodes are gone, the check exits 0 and prints its table. Pure tests 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
 import rayhybrid
 from benchmarks import s3 as s3_server
 from benchmarks.clusters import add_node, local_cluster
-from rayhybrid.check import bandwidth, run
+from rayhybrid.check import bandwidth, join, run
 from rayhybrid.check.__main__ import main
 from rayhybrid.check.nodes import Node
 from rayhybrid.check.problems import node_problems
 from rayhybrid.config.compose import compose, to_config
-from rayhybrid.errors import ConfigError
+from rayhybrid.driver.launcher import Launcher
+from rayhybrid.driver.policies import ScalingPolicy
+from rayhybrid.driver.state import RunState
+from rayhybrid.errors import ConfigError, RunFailed
+from tests.test_elastic import events, records
+from tests.test_recovery import in_background, losses, when_step
 
 DRIVER = {
     "python": "3.11.7",
@@ -196,3 +203,118 @@ def test_a_healthy_cluster_passes_with_its_table(cluster, capsys):
     ]
     assert {line.split()[0] for line in lines[2:5]} == {"driver", *(n.node_id[:8] for n in nodes.values())}
     assert "cpu, gloo" in lines[3] and lines[-1].startswith("no problem on 2 node(s)")
+
+
+# -- nodes a run starts using later (rayhybrid/check/join.py) -------------------------------------
+
+
+def test_a_joining_node_is_checked_once_and_a_fatal_one_kept_off(monkeypatch, caplog):
+    cfg = to_config(compose([]))
+    torch = problems(facts(torch="2.0.0"))  # on "node 1a2b3c4d (10.0.0.5)"
+    bad = Node("1a2b3c4d" + "0" * 24, "10.0.0.5", 0.0)
+    asked, drained = [], []
+
+    def check_cluster(cfg, shape, *, bandwidth, store, only):
+        assert not bandwidth and not store
+        asked.append(set(only))
+        answer = {bad.id: {**facts(torch="2.0.0"), "host": "h"}}
+        return run.Checked([bad] if bad.id in only else [], answer, DRIVER, False, torch)
+
+    monkeypatch.setattr(join, "check_cluster", check_cluster)
+    monkeypatch.setattr(join, "keep_off", drained.append)
+    events = []
+    start = run.Checked([Node("a" * 32, "10.0.0.1", 0.0)], {}, DRIVER, False)
+    joins = join.JoinCheck(cfg, None, events.append, start)
+    assert joins.refused(["a" * 32]) == frozenset() and asked == []  # the start checked it: no check
+    assert joins.refused(["a" * 32, bad.id]) == {bad.id} and asked == [{bad.id}] and drained == [bad.id]
+    (event,) = events
+    assert event["event"] == "check" and event["joined"] is True and event["problems"] == [torch[0].line]
+    assert any(r.message == f"cluster check: {torch[0].line}" for r in caplog.records)
+    assert joins.refused([bad.id, "a" * 32]) == {bad.id} and len(asked) == 1 and len(events) == 1  # once
+    # A check that cannot run warns once and lets the node in; cluster.check=off asks nothing.
+    monkeypatch.setattr(join, "check_cluster", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no Ray")))
+    assert joins.refused(["c" * 32]) == frozenset() and len(events) == 1
+    assert sum("could not run on the joining node(s) (RuntimeError: no Ray)" in r.message for r in caplog.records) == 1
+    assert joins.refused(["c" * 32]) == frozenset()
+    off = join.JoinCheck(to_config(compose(["cluster.check=off"])), None, events.append, None)
+    assert off.refused([bad.id]) == frozenset() and len(events) == 1
+    # The start's check could not run: the nodes of the first start go unchecked as well.
+    unchecked = join.JoinCheck(cfg, None, events.append, None)
+    assert unchecked.refused([bad.id]) == frozenset() and len(asked) == 1
+
+
+class Placed:
+    """A worker group's placement: slot -> node; a slot replaced goes to `elsewhere` (None: stays pending)."""
+
+    def __init__(self, nodes: dict[int, str], elsewhere: str | None) -> None:
+        self.nodes, self.elsewhere, self.replaced = dict(nodes), elsewhere, []
+
+    def nodes_of(self, slots):
+        return [self.nodes[s] for s in slots]
+
+    def replace(self, slots):
+        self.replaced += slots
+
+    def wait_placed(self, slots, timeout_s):
+        for s in slots:
+            self.nodes[s] = self.elsewhere
+        return set() if self.elsewhere else set(slots)
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_the_launcher_moves_replicas_off_a_refused_node(elastic):
+    cfg = to_config(compose(["elastic.enabled=true", "elastic.max_dp=2"] if elastic else ["topology.dp=2"]))
+    launcher = Launcher(cfg, ScalingPolicy.of(cfg), None, None, None, None)
+    launcher.joins = SimpleNamespace(refused=lambda nodes: frozenset(set(nodes) & {"bad"}))
+    group = Placed({0: "good", 1: "good"}, elsewhere=None)
+    assert launcher.keep_off(RunState(), group, (0, 1)) == (RunState(), (0, 1)) and group.replaced == []
+    group = Placed({0: "good", 1: "bad"}, elsewhere="other")  # placed again elsewhere: all slots kept
+    run_state, slots = launcher.keep_off(RunState(), group, (0, 1))
+    assert slots == (0, 1) and group.replaced == [1] and run_state.evacuated == {"bad"}
+    group = Placed({0: "good", 1: "bad"}, elsewhere=None)  # no room elsewhere
+    if elastic:
+        assert launcher.keep_off(RunState(), group, (0, 1))[1] == (0,)
+    else:
+        launcher.ledger = SimpleNamespace(last_good=lambda: "no checkpoint yet")
+        with pytest.raises(RunFailed, match="could not be placed again"):
+            launcher.keep_off(RunState(), group, (0, 1))
+
+
+@pytest.mark.slow
+def test_a_node_joining_with_another_torch_is_kept_off_and_the_run_goes_on(cluster, tmp_path, caplog):
+    """On the healthy cluster (good and other, a replica each: cluster.cpus_per_rank=2), an elastic run starts at dp 2; a node whose torch is 2.0.0 by its metadata joins and holds
+    the third replica's placement group. At the grow, the check warns, records the event and
+    drains the node: no rank starts there, the run goes on at dp 2 with the reference's losses."""
+    c, nodes = cluster
+    for name in ("odd", "far"):  # gone already when the healthy-cluster test ran first
+        if name in nodes:
+            c.remove_node(nodes.pop(name))
+    if "other" not in nodes:
+        nodes["other"] = add_node(c, 2)
+        c.wait_for_nodes()
+    fake = tmp_path / "fake" / "torch-2.0.0.dist-info"
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.0.0\n")
+    common = ["cluster.cpus_per_rank=2", "train.global_batch_size=6", "train.micro_batch_size=1", "data.seq_len=16"]
+    common += ["train.steps=30", "checkpoint.every=3"]
+    reference = rayhybrid.train([*common, "topology.dp=2"], run_dir=tmp_path / "ref")
+    assert reference["status"] == "completed"
+    elastic = ["elastic.enabled=true", "elastic.min_dp=1", "elastic.max_dp=3", "elastic.reschedule_timeout_s=3"]
+    thread, result = in_background([*common, *elastic], tmp_path / "run")
+    when_step(tmp_path / "run", 1)
+    path = os.pathsep.join(p for p in [str(fake.parent), os.environ.get("PYTHONPATH", "")] if p)
+    bad = c.add_node(num_cpus=2, include_dashboard=False, env_vars={"PYTHONPATH": path})
+    thread.join(timeout=300)
+    assert result.get("summary", {}).get("status") == "completed", result
+    name = f"node {bad.node_id[:8]} ({bad.node_ip_address})"
+    line = f"{name}: torch 2.0.0, the driver has {importlib.metadata.version('torch')}; install torch=="
+    assert any(r.message.startswith(f"cluster check: {line}") for r in caplog.records)
+    checks = [e for e in events(tmp_path / "run", "check") if e.get("joined")]
+    assert [[p.split(";")[0] for p in e["problems"]] for e in checks] == [[line.split(";")[0]]]
+    assert [n["node"] for n in checks[0]["nodes"]] == [bad.node_id]
+    workers = json.loads((tmp_path / "run" / "workers.json").read_text())
+    assert bad.node_id not in {w["node_id"] for w in workers} and len(workers) == 2
+    assert {r["dp"] for r in records(tmp_path / "run") if "loss" in r} == {2}  # no step at dp 3
+    assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
+    with contextlib.suppress(Exception):  # Ray may have shut the drained node down already
+        c.remove_node(bad)

@@ -4,6 +4,8 @@ the problems found. Two callers:
 
     checked = check_cluster(cfg, shape, bandwidth=True)     # python -m rayhybrid.check
     startup_check(cfg, shape, runlog.event)                   # every run's start (cluster.check=brief)
+
+The nodes a run starts using later get the same brief check (rayhybrid/check/join.py).
 """
 
 from __future__ import annotations
@@ -84,11 +86,14 @@ def request(cfg: Config, gpu: bool, store: bool) -> Request:
     return Request(packages, gpu, where, datasets(cfg), dict(cfg.data.storage_options))
 
 
-def check_cluster(cfg: Config, shape: ReplicaShape, *, bandwidth: bool, store: bool = True) -> Checked:
-    """Ask every node the run will use (`used_nodes`) and the driver; with `bandwidth`, measure
-    the all-reduces too. No node (an autoscaler has not added them yet): nothing checked."""
+def check_cluster(
+    cfg: Config, shape: ReplicaShape, *, bandwidth: bool, store: bool = True, only: frozenset[str] | None = None
+) -> Checked:
+    """Ask every node the run will use (`used_nodes`; with `only`, those of these ids) and the
+    driver; with `bandwidth`, measure the all-reduces too. No node (an autoscaler has not added
+    them yet): nothing checked."""
     start = time.perf_counter()
-    nodes = used_nodes(shape)
+    nodes = [n for n in used_nodes(shape) if only is None or n.id in only]
     req = request(cfg, shape.use_gpu, store)
     driver = node_facts(Request(req.packages))
     env = workers_env(shape.use_gpu, storage=req.store is not None or any(is_remote(u) for _, u in req.datasets))

@@ -20,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from rayhybrid.check.join import JoinCheck
 from rayhybrid.check.run import startup_check
 from rayhybrid.cluster.connect import resolve_shape
 from rayhybrid.cluster.drain import Drained
@@ -33,7 +34,7 @@ from rayhybrid.driver.preemption import DrainWatch, slots_on, why_not_placed
 from rayhybrid.driver.records import Interruption
 from rayhybrid.driver.runlog import RunLog, announce
 from rayhybrid.driver.state import RunState
-from rayhybrid.errors import WorkerError
+from rayhybrid.errors import RunFailed, WorkerError
 from rayhybrid.storage import checkpoints
 
 log = logging.getLogger("rayhybrid")
@@ -70,6 +71,8 @@ class Launcher:
         """The latest checkpoint when the run opened: what its first start restores."""
         self.shape: ReplicaShape | None = None
         """A replica's resources, once `prepare` has asked the cluster."""
+        self.joins: JoinCheck | None = None
+        """The check of the nodes the run starts using later (rayhybrid/check/join.py)."""
 
     def prepare(self) -> None:
         """Before the first start: the cluster can ever hold the run; the run's first lines; the
@@ -77,7 +80,9 @@ class Launcher:
         self.shape = resolve_shape(self.cfg)
         check_capacity(self.shape, self.scaling.min_dp)
         announce(self.cfg, self.scaling, self.shape.use_gpu)
-        startup_check(self.cfg, self.shape, self.log.event)
+        self.joins = JoinCheck(
+            self.cfg, self.shape, self.log.event, startup_check(self.cfg, self.shape, self.log.event)
+        )
 
     def start(self, run: RunState, pending: Interruption | None) -> Start:
         """Place the replicas, start the workers on the slots the scaling policy picks and
@@ -110,15 +115,37 @@ class Launcher:
         return Start(run, group, pending=pending)
 
     def rebuild(self, run: RunState, group, slots) -> tuple[RunState, WorkerError | None]:
-        """Train `group` on `slots`, after the storage check of their nodes not checked yet. A
-        failure comes back with the run state as far as it got (the nodes it checked)."""
+        """Train `group` on `slots`, after the cluster check (`keep_off`) and the storage check of
+        their nodes not checked yet. A failure comes back with the run state as far as it got (the
+        nodes it checked)."""
         try:
+            run, slots = self.keep_off(run, group, slots)
             run = self.ledger.check_storage(run, group, slots)
             run = self.ledger.advance(run)  # a new generation, published before its ranks join
             group.rebuild(list(slots), run.generation)
         except WorkerError as err:
             return run, err
         return run, None
+
+    def keep_off(self, run: RunState, group, slots) -> tuple[RunState, tuple[int, ...]]:
+        """The nodes of `slots` the run has not used yet get the cluster check; the replicas placed
+        on one that fails it for good (another torch or rayhybrid: Ray drains it) move elsewhere
+        before any rank starts there, as off a drained node: waited for (elastic: the run goes on
+        without those not placed in time). Raises RunFailed when too few are left."""
+        for _ in range(3):  # a node Ray would not drain may hold a replica again: give up after three tries
+            bad = self.joins.refused(group.nodes_of(list(slots))) if self.joins is not None else frozenset()
+            if not bad:
+                return run, tuple(slots)
+            moving = slots_on(group, slots, bad)
+            group.replace(moving)
+            run = run.but(evacuated=run.evacuated | bad)
+            elastic, cluster = self.cfg.elastic, self.cfg.cluster
+            wait_s = elastic.reschedule_timeout_s if self.scaling.elastic else cluster.placement_timeout_s
+            lost = group.wait_placed(moving, wait_s)
+            slots, before = tuple(self.scaling.on_loss(list(slots), lost)), len(slots)
+            if not slots:
+                raise RunFailed(f"{why_not_placed(self.scaling, before, lost, wait_s)}; {self.ledger.last_good()}")
+        raise RunFailed(f"cluster.check: replicas kept landing on node(s) {sorted(n[:8] for n in bad)} it refused")
 
     def replace(self, run: RunState, group, drained: Drained) -> tuple[RunState, tuple[int, ...], str | None]:
         """After a failure's teardown: wait for the broken replicas to be placed again
