@@ -220,7 +220,7 @@ def test_a_joining_node_is_checked_once_and_a_fatal_one_kept_off(monkeypatch, ca
         answer = {bad.id: {**facts(torch="2.0.0"), "host": "h"}}
         return run.Checked([bad] if bad.id in only else [], answer, DRIVER, False, torch)
 
-    monkeypatch.setattr(join, "check_cluster", check_cluster)
+    monkeypatch.setattr(run, "check_cluster", check_cluster)
     monkeypatch.setattr(join, "keep_off", drained.append)
     events = []
     start = run.Checked([Node("a" * 32, "10.0.0.1", 0.0)], {}, DRIVER, False)
@@ -232,7 +232,7 @@ def test_a_joining_node_is_checked_once_and_a_fatal_one_kept_off(monkeypatch, ca
     assert any(r.message == f"cluster check: {torch[0].line}" for r in caplog.records)
     assert joins.refused([bad.id, "a" * 32]) == {bad.id} and len(asked) == 1 and len(events) == 1  # once
     # A check that cannot run warns once and lets the node in; cluster.check=off asks nothing.
-    monkeypatch.setattr(join, "check_cluster", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no Ray")))
+    monkeypatch.setattr(run, "check_cluster", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no Ray")))
     assert joins.refused(["c" * 32]) == frozenset() and len(events) == 1
     assert sum("could not run on the joining node(s) (RuntimeError: no Ray)" in r.message for r in caplog.records) == 1
     assert joins.refused(["c" * 32]) == frozenset()

@@ -18,11 +18,10 @@ import logging
 
 import ray
 
-from rayhybrid.check.run import Checked, check_cluster
+from rayhybrid.check.run import Checked, brief_check
 from rayhybrid.cluster.placement import ReplicaShape
 from rayhybrid.cluster.spot_watch import drain_node
 from rayhybrid.config.schema import Config
-from rayhybrid.storage.store import one_line
 
 log = logging.getLogger("rayhybrid")
 
@@ -34,17 +33,14 @@ class JoinCheck:
 
     def __init__(self, cfg: Config, shape: ReplicaShape, record, started: Checked | None) -> None:
         self.cfg, self.shape, self.record = cfg, shape, record
-        self.off = str(cfg.cluster.check).lower() == "off"
         self.seen: set[str] | None = {n.id for n in started.nodes} if started is not None else None
-        """None: the start's check did not run (it failed): the first nodes go unchecked, as the start's did."""
+        """None: the start's check did not run (off, or it failed): the first nodes go unchecked, as the start's did."""
         self.bad: set[str] = set()
 
     def refused(self, nodes) -> frozenset[str]:
         """Of `nodes` (ids: those the run is about to train on), the ones its ranks must keep
         off: checked now (those not checked before) or earlier, with a fatal problem."""
         nodes = set(nodes)
-        if self.off:
-            return frozenset()
         if self.seen is None:
             self.seen = nodes
         new = nodes - self.seen
@@ -54,16 +50,11 @@ class JoinCheck:
         return frozenset(nodes & self.bad)
 
     def _check(self, nodes: frozenset[str]) -> set[str]:
-        """The brief check of `nodes`: warnings, a `check` event; the nodes with a fatal problem,
-        drained. A check that cannot run warns once and lets them in."""
-        try:
-            checked = check_cluster(self.cfg, self.shape, bandwidth=False, store=False, only=nodes)
-        except Exception as err:  # noqa: BLE001 - the check's own failure never stops a run
-            log.warning("cluster check: could not run on the joining node(s) (%s); the run goes on", one_line(err))
+        """`brief_check` of `nodes` (none with cluster.check=off; a check that cannot run warns
+        once and lets them in); the nodes with a fatal problem, drained."""
+        checked = brief_check(self.cfg, self.shape, self.record, only=nodes)
+        if checked is None:
             return set()
-        for problem in checked.problems:
-            log.warning("cluster check: %s", problem.line)
-        self.record({**checked.record(), "joined": True})
         names = {n.name: n.id for n in checked.nodes}
         fatal = {names[p.node] for p in checked.problems if p.fatal and p.node in names}
         for node in sorted(fatal):

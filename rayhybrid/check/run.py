@@ -111,22 +111,33 @@ def check_cluster(
     return checked
 
 
-def startup_check(cfg: Config, shape: ReplicaShape, record) -> Checked | None:
-    """At a run's start (cluster.check=brief): the per-node checks without the store (the run's
-    own storage check refuses a node that cannot reach it) and without the bandwidth test; each
-    problem a warning, the whole a `check` event given to `record`. A node whose torch or
-    rayhybrid differs from the driver's stops the run (ConfigError naming cluster.check)."""
+def brief_check(cfg: Config, shape: ReplicaShape, record, only: frozenset[str] | None = None) -> Checked | None:
+    """The per-node checks without the store (the run's own storage check refuses a node that
+    cannot reach it) and without the bandwidth test, of the nodes the run will use (`only`: those
+    of these ids, which it starts using later: its event says `"joined": true`); each problem a
+    warning, the whole a `check` event given to `record`. None when cluster.check=off, or when
+    the check could not run (one warning: the check's own failure never stops a run)."""
     if str(cfg.cluster.check).lower() == "off":
         return None
     try:
-        checked = check_cluster(cfg, shape, bandwidth=False, store=False)
+        checked = check_cluster(cfg, shape, bandwidth=False, store=False, only=only)
     except Exception as err:  # noqa: BLE001 - the check's own failure never stops a run
-        log.warning("cluster check: could not run (%s); the run goes on unchecked", one_line(err))
+        where, after = ("", " unchecked") if only is None else (" on the joining node(s)", "")
+        log.warning("cluster check: could not run%s (%s); the run goes on%s", where, one_line(err), after)
         return None
     for problem in checked.problems:
         log.warning("cluster check: %s", problem.line)
-    record(checked.record())
+    record(checked.record() if only is None else {**checked.record(), "joined": True})
     log.debug("cluster check: %d node(s) in %.2fs", len(checked.nodes), checked.seconds)
+    return checked
+
+
+def startup_check(cfg: Config, shape: ReplicaShape, record) -> Checked | None:
+    """At a run's start (cluster.check=brief): `brief_check` of every node. A node whose torch or
+    rayhybrid differs from the driver's stops the run (ConfigError naming cluster.check)."""
+    checked = brief_check(cfg, shape, record)
+    if checked is None:
+        return None
     fatal = [p for p in checked.problems if p.fatal]
     if fatal:
         raise ConfigError(

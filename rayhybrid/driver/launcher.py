@@ -137,14 +137,12 @@ class Launcher:
             if not bad:
                 return run, tuple(slots)
             moving = slots_on(group, slots, bad)
-            group.replace(moving)
-            run = run.but(evacuated=run.evacuated | bad)
-            elastic, cluster = self.cfg.elastic, self.cfg.cluster
-            wait_s = elastic.reschedule_timeout_s if self.scaling.elastic else cluster.placement_timeout_s
-            lost = group.wait_placed(moving, wait_s)
+            run = move_off(run, group, moving, bad)
+            lost = group.wait_placed(moving, self.placement_wait_s)
             slots, before = tuple(self.scaling.on_loss(list(slots), lost)), len(slots)
             if not slots:
-                raise RunFailed(f"{why_not_placed(self.scaling, before, lost, wait_s)}; {self.ledger.last_good()}")
+                why = why_not_placed(self.scaling, before, lost, self.placement_wait_s)
+                raise RunFailed(f"{why}; {self.ledger.last_good()}")
         raise RunFailed(f"cluster.check: replicas kept landing on node(s) {sorted(n[:8] for n in bad)} it refused")
 
     def replace(self, run: RunState, group, drained: Drained) -> tuple[RunState, tuple[int, ...], str | None]:
@@ -154,13 +152,16 @@ class Launcher:
         draining = self.drains.draining()
         moving = slots_on(group, drained.broken, draining)
         if moving:  # replicas that lost workers on a node being drained go elsewhere
-            group.replace(moving)
-            run = run.but(evacuated=run.evacuated | draining)
-        elastic, cluster = self.cfg.elastic, self.cfg.cluster
-        wait_s = elastic.reschedule_timeout_s if self.scaling.elastic else cluster.placement_timeout_s
-        lost = group.wait_placed(drained.broken, wait_s)
+            run = move_off(run, group, moving, draining)
+        lost = group.wait_placed(drained.broken, self.placement_wait_s)
         slots = tuple(self.scaling.on_loss(list(group.slots), lost))
-        return run, slots, None if slots else why_not_placed(self.scaling, group.dp, lost, wait_s)
+        return run, slots, None if slots else why_not_placed(self.scaling, group.dp, lost, self.placement_wait_s)
+
+    @property
+    def placement_wait_s(self) -> float:
+        """How long replicas placed again are waited for: elastic.reschedule_timeout_s in an
+        elastic run (it goes on without them), cluster.placement_timeout_s in a fixed-size one."""
+        return self.cfg.elastic.reschedule_timeout_s if self.scaling.elastic else self.cfg.cluster.placement_timeout_s
 
     def restore(
         self, run: RunState, group, intr: Interruption | None, heal: bool = False
@@ -178,3 +179,10 @@ class Launcher:
             with_dp(self.cfg, group.dp), group.placement(), [i.pid for i in group.infos], group.descriptions[0]
         )
         return run, intr
+
+
+def move_off(run: RunState, group, moving: list[int], nodes) -> RunState:
+    """The replicas of the slots `moving` placed again, off `nodes` (drained, or refused by the
+    cluster check), which the run counts as left (`RunState.evacuated`)."""
+    group.replace(moving)
+    return run.but(evacuated=run.evacuated | nodes)
