@@ -262,7 +262,7 @@ class Placed:
 
 
 @pytest.mark.parametrize("elastic", [False, True])
-def test_the_launcher_moves_replicas_off_a_refused_node(elastic):
+def test_the_launcher_moves_replicas_off_a_refused_node(elastic, caplog):
     cfg = to_config(compose(["elastic.enabled=true", "elastic.max_dp=2"] if elastic else ["topology.dp=2"]))
     launcher = Launcher(cfg, ScalingPolicy.of(cfg), None, None, None, None)
     launcher.joins = SimpleNamespace(refused=lambda nodes: frozenset(set(nodes) & {"bad"}))
@@ -274,6 +274,9 @@ def test_the_launcher_moves_replicas_off_a_refused_node(elastic):
     group = Placed({0: "good", 1: "bad"}, elsewhere=None)  # no room elsewhere
     if elastic:
         assert launcher.keep_off(RunState(), group, (0, 1))[1] == (0,)
+        wait = cfg.elastic.reschedule_timeout_s
+        line = f"cluster check: 1 replica(s) not placed off node(s) bad within {wait:.0f}s; the run goes on at dp 1"
+        assert [r.getMessage() for r in caplog.records] == [line]
     else:
         launcher.ledger = SimpleNamespace(last_good=lambda: "no checkpoint yet")
         with pytest.raises(RunFailed, match="could not be placed again"):
@@ -309,6 +312,8 @@ def test_a_node_joining_with_another_torch_is_kept_off_and_the_run_goes_on(clust
     name = f"node {bad.node_id[:8]} ({bad.node_ip_address})"
     line = f"{name}: torch 2.0.0, the driver has {importlib.metadata.version('torch')}; install torch=="
     assert any(r.message.startswith(f"cluster check: {line}") for r in caplog.records)
+    gone = f"cluster check: 1 replica(s) not placed off node(s) {bad.node_id[:8]} within 3s; the run goes on at dp 2"
+    assert gone in [r.message for r in caplog.records]
     checks = [e for e in events(tmp_path / "run", "check") if e.get("joined")]
     assert [[p.split(";")[0] for p in e["problems"]] for e in checks] == [[line.split(";")[0]]]
     assert [n["node"] for n in checks[0]["nodes"]] == [bad.node_id]
